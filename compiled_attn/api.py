@@ -1,0 +1,65 @@
+"""The public one-call functions: ``plan`` (host checks, metadata) followed by ``run`` (pure tensor code).
+
+For repeated layers of one batch, call ``plan_*`` once, ``build_*_index`` once, then ``decode_blocks`` /
+``extend_padded`` per layer, as the backend and the captured decode step do.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import validate
+from .decode import DecodeIndex, build_decode_index, decode_blocks
+from .extend import ExtendIndex, build_extend_index, extend_padded
+from .metadata import DecodeMetadata, ExtendMetadata
+from .plan import plan_decode, plan_extend
+
+
+def decode_index(req_to_token: torch.Tensor, meta: DecodeMetadata) -> DecodeIndex:
+    return build_decode_index(req_to_token, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids,
+                              meta.block_offsets)
+
+
+def extend_index(req_to_token: torch.Tensor, meta: ExtendMetadata) -> ExtendIndex:
+    token_ids = torch.arange(meta.num_tokens, device=meta.q_ids.device)
+    return build_extend_index(req_to_token, meta.req_rows, meta.kv_lo, meta.kv_len, meta.q_first, meta.q_len,
+                              meta.q_offsets, meta.q_ids, meta.kv_ids, token_ids, causal=meta.causal,
+                              sliding_window=meta.sliding_window)
+
+
+def _scale(scale, dqk: int) -> float:
+    return float(dqk) ** -0.5 if scale is None else float(scale)
+
+
+def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None,
+                     sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False) -> torch.Tensor:
+    """Attention of one new token per request over its cached keys.
+
+    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache,
+    as MLA's latent cache); req_to_token: [max_reqs, max_context_len] int32; req_pool_indices, seq_lens: [bs].
+    Request i attends to positions ``[0, seq_lens[i])`` (see ``plan_decode`` for windows and encoders).
+    Returns ``[bs, Hq, Dv]`` in q.dtype.
+    """
+    validate.check_window_and_cap(None, logit_cap)
+    meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                       sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn)
+    return decode_blocks(q, k_cache, v_cache, decode_index(req_to_token, meta), _scale(scale, q.shape[2]),
+                         logit_cap)
+
+
+def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                     extend_seq_lens, *, scale=None, causal=True, sliding_window=None, logit_cap=None,
+                     encoder_lens=None, is_cross_attn=False) -> torch.Tensor:
+    """Attention of each request's new tokens over its cached prefix and themselves.
+
+    q: [num_tokens, Hq, Dqk], request i's queries (positions ``[extend_prefix_lens[i], seq_lens[i])``) packed in
+    request order; caches and table as in ``decode_attention``; the new tokens' K/V must already be written.
+    Returns ``[num_tokens, Hq, Dv]`` in q.dtype.
+    """
+    validate.check_window_and_cap(None, logit_cap)
+    meta = plan_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                       extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
+                       is_cross_attn=is_cross_attn)
+    if meta.num_tokens == 0:  # nothing to gather from an empty q
+        return q.new_zeros(0, q.shape[1], v_cache.shape[2])
+    return extend_padded(q, k_cache, v_cache, extend_index(req_to_token, meta), _scale(scale, q.shape[2]),
+                         logit_cap)

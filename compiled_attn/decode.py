@@ -1,0 +1,107 @@
+"""Decode attention (one query token per request) over the paged KV cache, as split-KV blocks.
+
+Why blocks: padding every request to the batch's longest context made a batched decode slower than the
+per-request loop at mixed lengths. Here each request's KV range is cut into fixed-size blocks and the batch is
+the flat list of all blocks, so the work follows the sum of the lengths (each request rounded up to one block),
+and a captured graph's cost follows its block-capacity bucket, not the table width. Each block computes a partial
+softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
+(flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
+
+All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeIndex:
+    """Per-step block table shared by every layer (built once per step by ``build_decode_index``).
+
+    block_req: [num_blocks] int64, the batch row each block belongs to (``num_rows`` for unused blocks)
+    slots:     [num_blocks, block_size] int64, KV slot of each block position (slot 0 where invalid)
+    valid:     [num_blocks, block_size] bool, position lies inside its request's range
+    """
+
+    block_req: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+
+
+def build_decode_index(
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    kv_lo: torch.Tensor,
+    kv_hi: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_offsets: torch.Tensor,
+) -> DecodeIndex:
+    """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
+
+    req_to_token: [max_reqs, max_context_len] int32
+    req_rows, kv_lo, kv_hi: [bs] int64 (padded rows: row 0, empty range)
+    block_ids: [num_blocks] int64 = arange(num_blocks); its length is the block capacity
+    block_offsets: [block_size] int64 = arange(block_size)
+    """
+    bs = req_rows.shape[0]
+    block_size = block_offsets.shape[0]
+    lens = (kv_hi - kv_lo).clamp_min(0)
+    blocks_per_req = (lens + block_size - 1) // block_size  # [bs]
+    ends = torch.cumsum(blocks_per_req, 0)  # [bs]
+    firsts = ends - blocks_per_req
+    # block j belongs to the first request whose end exceeds j; blocks past the total map to row `bs`
+    block_req = torch.searchsorted(ends, block_ids, right=True)  # [num_blocks] in [0, bs]
+    req = block_req.clamp_max(bs - 1)
+    used = block_req < bs
+    start = kv_lo[req] + (block_ids - firsts[req]) * block_size  # [num_blocks]
+    pos = start[:, None] + block_offsets[None, :]  # [num_blocks, block_size]
+    valid = used[:, None] & (pos < kv_hi[req][:, None])
+    pos = torch.where(valid, pos, 0)
+    slots = req_to_token[req_rows[req][:, None], pos].to(torch.int64)
+    slots = torch.where(valid, slots, 0)
+    return DecodeIndex(block_req=block_req, slots=slots, valid=valid)
+
+
+def decode_blocks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: DecodeIndex,
+    scale: float,
+    logit_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of one query per request over its KV blocks.
+
+    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache)
+    returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32; a row with no keys gives zeros.
+    """
+    bs, hq, dqk = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    group = hq // hkv
+    nblk, block_size = index.slots.shape
+    req = index.block_req.clamp_max(bs - 1)
+    flat = index.slots.reshape(-1)
+    # gather head-major so the batched matmul reads contiguous [block_size, D] tiles
+    k = k_cache.index_select(0, flat).view(nblk, block_size, hkv, dqk).permute(0, 2, 3, 1).float()
+    v = v_cache.index_select(0, flat).view(nblk, block_size, hkv, dv).transpose(1, 2).float()
+    qb = q.index_select(0, req).view(nblk, hkv, group, dqk).float() * scale
+    s = torch.matmul(qb, k)  # [nblk, hkv, group, block_size]
+    if logit_cap is not None:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    mask = index.valid[:, None, None, :]
+    s = s.masked_fill(~mask, torch.finfo(torch.float32).min)
+    m = s.amax(-1)  # [nblk, hkv, group]
+    p = torch.exp(s - m[..., None]) * mask
+    l = p.sum(-1)
+    o = torch.matmul(p, v)  # [nblk, hkv, group, dv]
+    # merge blocks per request: rows [0, bs) real, row bs collects unused blocks
+    rows = bs + 1
+    m_req = torch.full((rows, hkv, group), torch.finfo(torch.float32).min, device=q.device)
+    m_req = m_req.scatter_reduce(0, index.block_req[:, None, None].expand_as(m), m, reduce="amax")
+    w = torch.exp(m - m_req.index_select(0, index.block_req))
+    acc = torch.zeros(rows, hkv, group, dv, device=q.device).index_add(0, index.block_req, o * w[..., None])
+    den = torch.zeros(rows, hkv, group, device=q.device).index_add(0, index.block_req, l * w)
+    out = acc[:bs] / den[:bs, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
+    return out.reshape(bs, hq, dv).to(q.dtype)

@@ -1,0 +1,173 @@
+"""``plan``: host-side, once per batch. Validates inputs and builds bucket-padded metadata for ``run``.
+
+Follows SGLang's argument meanings: ``seq_lens`` counts a request's tokens including the new ones,
+``extend_prefix_lens`` the cached ones, ``encoder_lens`` the encoder tokens stored before the decoder's
+(cross-attention reads ``[0, encoder_len)``, decoder self-attention ``[encoder_len, encoder_len + seq_len)``).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import validate
+from .metadata import DecodeMetadata, ExtendMetadata
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+def _normalize_window(sliding_window):
+    # SGLang spells "no window" as -1
+    return None if sliding_window is None or sliding_window == -1 else sliding_window
+
+
+def _pad(t: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    out = torch.full((n,), fill, dtype=torch.int64)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _capacity(name: str, given: int | None, needed: int, minimum: int = 1) -> int:
+    if given is None:
+        return max(needed, minimum)
+    if given < needed:
+        raise ValueError(f"{name}={given} is smaller than this batch needs ({needed})")
+    return given
+
+
+def _encoder_lens(encoder_lens, is_cross_attn, bs, device):
+    if encoder_lens is None:
+        if is_cross_attn:
+            raise ValueError("is_cross_attn=True needs encoder_lens")
+        return torch.zeros(bs, dtype=torch.int64)
+    return validate.check_lengths("encoder_lens", encoder_lens, bs, device)
+
+
+def plan_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    encoder_lens: torch.Tensor | None = None,
+    is_cross_attn: bool = False,
+    batch_capacity: int | None = None,
+    block_capacity: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> DecodeMetadata:
+    """Validate a decode batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
+    KV blocks of ``block_size`` tokens (defaults: exactly what the batch needs).
+
+    q: [bs, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len];
+    req_pool_indices, seq_lens (and encoder_lens): [bs]
+    """
+    validate.check_qkv(q, k_cache, v_cache)
+    bs, device = q.shape[0], q.device
+    rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
+    lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
+    enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
+    sliding_window = _normalize_window(sliding_window)
+    validate.check_window_and_cap(sliding_window, None)
+    if is_cross_attn and sliding_window is not None:
+        raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
+    if is_cross_attn:
+        lo, hi = torch.zeros_like(enc), enc
+        validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens")
+    else:
+        hi = enc + lens
+        validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens + seq_lens" if encoder_lens is not None
+                              else "seq_lens")
+        lo = enc.clone()
+        if sliding_window is not None:  # the one query sits at seq_len - 1 and sees keys >= it - window
+            lo = enc + (lens - 1 - sliding_window).clamp_min(0)
+    needed = int(_ceil_div(hi - lo, block_size).sum()) if bs else 0
+    bs_cap = _capacity("batch_capacity", batch_capacity, bs)
+    nblk = _capacity("block_capacity", block_capacity, needed)
+    return DecodeMetadata(
+        req_rows=_pad(rows, bs_cap).to(device),
+        kv_lo=_pad(lo, bs_cap).to(device),
+        kv_hi=_pad(hi, bs_cap).to(device),
+        block_ids=torch.arange(nblk, device=device),
+        block_offsets=torch.arange(block_size, device=device),
+        num_real=bs,
+        blocks_needed=needed,
+    )
+
+
+def plan_extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    encoder_lens: torch.Tensor | None = None,
+    is_cross_attn: bool = False,
+    batch_capacity: int | None = None,
+    q_capacity: int | None = None,
+    kv_capacity: int | None = None,
+) -> ExtendMetadata:
+    """Validate an extend (prefill) batch and build its padded metadata.
+
+    q: [num_tokens, Hq, Dqk] packed in request order; request i's queries are positions
+    ``[extend_prefix_lens[i], seq_lens[i])`` of its self-attention range.
+    """
+    validate.check_qkv(q, k_cache, v_cache)
+    device = q.device
+    validate.check_tensor("seq_lens", seq_lens, 1, validate.INDEX_DTYPES, device)
+    bs = seq_lens.shape[0]
+    rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
+    lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
+    prefix = validate.check_lengths("extend_prefix_lens", extend_prefix_lens, bs, device)
+    ext = validate.check_lengths("extend_seq_lens", extend_seq_lens, bs, device)
+    enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
+    sliding_window = _normalize_window(sliding_window)
+    validate.check_window_and_cap(sliding_window, None)
+    if not torch.equal(prefix + ext, lens):
+        bad = int(torch.nonzero(prefix + ext != lens)[0, 0])
+        raise ValueError(f"extend_prefix_lens + extend_seq_lens must equal seq_lens; request {bad}: "
+                         f"{int(prefix[bad])} + {int(ext[bad])} != {int(lens[bad])}")
+    num_tokens = int(ext.sum())
+    if q.shape[0] != num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but sum(extend_seq_lens) is {num_tokens}")
+    if is_cross_attn:
+        if sliding_window is not None:
+            raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
+        causal = False
+        lo, kv_len, q_first = torch.zeros_like(enc), enc, torch.zeros_like(enc)
+        validate.check_kv_end(enc, req_to_token.shape[1], "encoder_lens")
+    else:
+        validate.check_kv_end(enc + lens, req_to_token.shape[1],
+                              "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
+        skip = torch.zeros_like(prefix)
+        if sliding_window is not None:  # keys before the first query's window are never read
+            skip = (prefix - sliding_window).clamp_min(0)
+        lo, kv_len, q_first = enc + skip, lens - skip, prefix - skip
+    bs_cap = _capacity("batch_capacity", batch_capacity, bs)
+    q_cap = _capacity("q_capacity", q_capacity, int(ext.max()) if bs else 0)
+    kv_cap = _capacity("kv_capacity", kv_capacity, int(kv_len.max()) if bs else 0)
+    offsets = torch.cumsum(ext, 0) - ext
+    return ExtendMetadata(
+        req_rows=_pad(rows, bs_cap).to(device),
+        kv_lo=_pad(lo, bs_cap).to(device),
+        kv_len=_pad(kv_len, bs_cap).to(device),
+        q_first=_pad(q_first, bs_cap).to(device),
+        q_len=_pad(ext, bs_cap).to(device),
+        q_offsets=_pad(offsets, bs_cap, fill=num_tokens).to(device),
+        q_ids=torch.arange(q_cap, device=device),
+        kv_ids=torch.arange(kv_cap, device=device),
+        causal=causal,
+        sliding_window=sliding_window,
+        num_real=bs,
+        num_tokens=num_tokens,
+    )

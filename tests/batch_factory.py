@@ -1,0 +1,51 @@
+"""Random paged batches for the tests: scattered, out-of-order slots and request rows; slot 0 / row 0 unused."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    ext_lens: torch.Tensor
+    encoder_lens: torch.Tensor | None
+
+
+def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=False, dtype=torch.float32,
+               encoder_lens=None, width=None, seed=0, decode=False) -> PagedBatch:
+    """Build caches holding each request's tokens at random slots and random rows.
+
+    With ``mla`` the V cache is a view of the first ``dv`` columns of the K (latent) cache. With ``decode`` each
+    request has one query (its last position). ``encoder_lens`` tokens are stored before each decoder's tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    prefix = (seq - 1).clamp_min(0) if decode else torch.tensor(prefix_lens or [0] * bs, dtype=torch.int64)
+    ext = seq - prefix
+    enc = torch.tensor(encoder_lens, dtype=torch.int64) if encoder_lens is not None else torch.zeros(bs, dtype=torch.int64)
+    total = enc + seq
+    width = width or int(total.max()) + 3 if bs else 4
+    num_slots = int(total.sum()) + 7
+    dv = dv or dqk
+    k_cache = torch.randn(num_slots, hkv, dqk, generator=g).to(dtype)
+    v_cache = k_cache[..., :dv] if mla else torch.randn(num_slots, hkv, dv, generator=g).to(dtype)
+    perm = torch.randperm(num_slots - 1, generator=g) + 1
+    rows = (torch.randperm(bs + 3, generator=g) + 1)[:bs]
+    table = torch.zeros(bs + 4, width, dtype=torch.int32)
+    used = 0
+    for i in range(bs):
+        n = int(total[i])
+        table[rows[i], :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    q = torch.randn(int(ext.sum()), hq, dqk, generator=g).to(dtype)
+    return PagedBatch(q, k_cache, v_cache, table, rows, seq, prefix, ext,
+                      enc if encoder_lens is not None else None)

@@ -1,0 +1,42 @@
+"""Plain float64 attention reference for the tests: per request, dense, masks spelled out. No cleverness."""
+from __future__ import annotations
+
+import torch
+
+
+def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefix_lens, ext_lens, *, scale=None,
+                        causal=True, sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False):
+    """q: [num_tokens, Hq, Dqk] packed per request; returns [num_tokens, Hq, Dv] float64."""
+    hq, dqk = q.shape[1], q.shape[2]
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    scale = dqk ** -0.5 if scale is None else scale
+    outs, offset = [], 0
+    for i in range(len(seq_lens)):
+        n, seq, prefix = int(ext_lens[i]), int(seq_lens[i]), int(prefix_lens[i])
+        enc = int(encoder_lens[i]) if encoder_lens is not None else 0
+        qi = q[offset:offset + n].double()
+        offset += n
+        if is_cross_attn:
+            key_pos = list(range(0, enc))
+        else:
+            key_pos = list(range(enc, enc + seq))
+        slots = req_to_token[int(rows[i]), key_pos].long() if key_pos else torch.zeros(0, dtype=torch.long)
+        k = k_cache[slots].double().repeat_interleave(hq // hkv, dim=1)  # [Lk, Hq, D]
+        v = v_cache[slots].double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if logit_cap is not None:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        mask = torch.ones(n, len(key_pos), dtype=torch.bool)
+        for a in range(n):
+            qpos = prefix + a
+            for b in range(len(key_pos)):
+                if is_cross_attn:
+                    continue
+                if causal and b > qpos:
+                    mask[a, b] = False
+                if sliding_window is not None and b < qpos - sliding_window:
+                    mask[a, b] = False
+        s = s.masked_fill(~mask[None], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros
+        outs.append(torch.einsum("hqk,khd->qhd", p, v))
+    return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)
