@@ -1,0 +1,137 @@
+"""Bucketed decode steps: compile per bucket, capture CUDA graphs per bucket, warm everything before serving.
+
+A decode step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the decode metadata
+(``req_rows``, ``kv_lo``, ``kv_hi``, ``block_ids``, ``block_offsets``) plus the caller's per-row inputs (token
+ids, positions, output slots, ...), and whose ``persistent`` tensors are the KV caches and the request table.
+The graph key is the batch-size bucket *and* a KV-block-capacity bucket, so a captured step's work follows the
+batch's real lengths, not the table width. The switches mean what they mean in SGLang:
+``enable_torch_compile``, ``torch_compile_max_bs`` (larger buckets run uncompiled, still captured on CUDA),
+``cuda_graph_bs`` (the batch buckets), ``disable_cuda_graph``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers
+
+from .compile_policy import compile_step
+from .metadata import DecodeMetadata
+
+META_FIELDS = ("req_rows", "kv_lo", "kv_hi")
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """A per-row step input: trailing shape (after the batch dim), dtype, and the value padded rows get."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: int | float = 0
+
+
+@dataclass
+class GraphConfig:
+    """SGLang-style switches plus the bucket ranges.
+
+    max_batch_size: largest batch bucket (SGLang's cuda_graph_max_bs); cuda_graph_bs overrides the list.
+    max_kv_tokens: most KV tokens one decode batch reads in total (sum over requests, rounded per block).
+    """
+
+    max_batch_size: int = 32
+    max_kv_tokens: int = 8192
+    enable_torch_compile: bool = True
+    torch_compile_max_bs: int = 32
+    cuda_graph_bs: Sequence[int] | None = None
+    disable_cuda_graph: bool = False
+    block_size: int = 64
+    min_kv_tokens: int = 256
+    kv_growth: float = 2.0
+    warmup_iters: int = 2
+    progress: bool = True
+
+    def policy(self) -> BucketPolicy:
+        return BucketPolicy.create(self.max_batch_size, self.max_kv_tokens, batch_sizes=self.cuda_graph_bs,
+                                   min_kv_tokens=max(self.min_kv_tokens, self.block_size),
+                                   kv_growth=self.kv_growth)
+
+
+class DecodeGraphs:
+    """Warm-up and replay of a decode step over (batch bucket, KV-token bucket) keys.
+
+    ``run`` takes the real batch's ``DecodeMetadata`` (planned without padding) and per-row inputs, picks the
+    smallest bucket that holds both, copies the rows into its static buffers and replays. A batch beyond the
+    largest bucket runs the step without a graph (warned once).
+    """
+
+    def __init__(self, step_fn: Callable, *, config: GraphConfig, device: torch.device | str,
+                 row_inputs: Mapping[str, RowInput]):
+        self.config = config
+        self.device = torch.device(device)
+        self.policy = config.policy()
+        for kv in self.policy.kv_capacities:
+            if kv % config.block_size:
+                raise ValueError(f"kv capacity {kv} is not a multiple of block_size={config.block_size}")
+        self.row_inputs = dict(row_inputs)
+        use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
+        compiled = compile_step(step_fn) if config.enable_torch_compile else None
+        keys = self.policy.keys()
+        small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
+        large = [k for k in keys if k[0] > config.torch_compile_max_bs]
+        fallback = compiled or step_fn
+        self.runners: list[GraphRunner] = []
+        for group, fn in ((small, compiled), (large, None)):
+            if group:
+                self.runners.append(GraphRunner(
+                    fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
+                    use_cuda_graph=use_graph, compile_fn=None, fallback_fn=lambda i, p: fallback(i, p),
+                    warmup_iters=config.warmup_iters, progress=config.progress))
+        self._runner_of = {k: r for r in self.runners for k in r.keys}
+
+    def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
+        bs, kv_tokens = key
+        specs = {name: BufferSpec((bs,), torch.int64, fill=0) for name in META_FIELDS}
+        specs["block_ids"] = BufferSpec((kv_tokens // self.config.block_size,), torch.int64, batch_dim=None)
+        specs["block_offsets"] = BufferSpec((self.config.block_size,), torch.int64, batch_dim=None)
+        for name, spec in self.row_inputs.items():
+            specs[name] = BufferSpec((bs, *spec.shape), spec.dtype, fill=spec.fill)
+        return StaticBuffers(specs, self.device)
+
+    def warmup(self, persistent: Mapping[str, torch.Tensor]) -> dict:
+        """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``."""
+        timings = {}
+        for runner in self.runners:
+            timings.update(runner.warmup(persistent))
+        return timings
+
+    def key_for(self, meta: DecodeMetadata) -> tuple[int, int] | None:
+        """The smallest warmed bucket that holds this batch, or None (fallback)."""
+        bs = self.policy.batch_bucket(meta.num_real)
+        tokens = meta.blocks_needed * self.config.block_size
+        if bs is None or tokens > self.policy.max_kv_tokens:
+            return None
+        return bs, self.policy.kv_bucket(tokens)
+
+    def inputs_for(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor], key) -> dict[str, torch.Tensor]:
+        n = meta.num_real
+        blocks = key[1] // self.config.block_size if key is not None else meta.block_ids.shape[0]
+        inputs = {name: getattr(meta, name)[:n] for name in META_FIELDS}
+        inputs["block_ids"] = torch.arange(blocks, device=self.device)
+        inputs["block_offsets"] = meta.block_offsets
+        inputs.update(rows)
+        return inputs
+
+    def run(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]):
+        """One decode step; outputs sliced to the real batch (on CUDA graphs: views valid until the next run)."""
+        if meta.block_offsets.shape[0] != self.config.block_size:
+            raise ValueError(f"metadata block_size {meta.block_offsets.shape[0]} != config block_size "
+                             f"{self.config.block_size}")
+        key = self.key_for(meta)
+        runner = self._runner_of.get(key, self.runners[0])
+        return runner.run_sliced(key, self.inputs_for(meta, rows, key), persistent)
+
+    @property
+    def stats(self):
+        return [r.stats for r in self.runners]

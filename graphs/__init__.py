@@ -1,0 +1,28 @@
+"""Generic static-shape graph machinery: bucket policy, static buffers, capture/replay, warm-up.
+
+``graphs`` knows nothing about attention: it compiles and (on CUDA) captures any step function of
+static-shape tensors, one graph per bucket, all before the first real step.
+
+* ``BucketPolicy`` / ``DEFAULT_BATCH_SIZES``: which (batch size, kv capacity) shapes get a graph.
+* ``BufferSpec`` / ``StaticBuffers``: one bucket's inputs, allocated once, refilled in place.
+* ``GraphRunner``: ``warmup(persistent)`` then ``run(key, real_inputs, persistent)``; CUDA-graph replay on
+  CUDA, compiled replay on static buffers on CPU, an eager/compiled fallback beyond the largest bucket.
+
+Imports only torch, tqdm and ``profiling``.
+"""
+
+from graphs.buckets import DEFAULT_BATCH_SIZES, BucketPolicy, kv_capacities
+from graphs.runner import GraphRunner, Outputs, RunnerStats, StepFn
+from graphs.static_buffers import BufferSpec, StaticBuffers
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "BucketPolicy",
+    "BufferSpec",
+    "GraphRunner",
+    "Outputs",
+    "RunnerStats",
+    "StaticBuffers",
+    "StepFn",
+    "kv_capacities",
+]

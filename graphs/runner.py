@@ -1,0 +1,361 @@
+"""GraphRunner: warm up, compile and capture a step function per bucket, then replay it.
+
+The step is any pure function of static-shape tensors::
+
+    step_fn(inputs: dict[str, Tensor], persistent: dict[str, Tensor]) -> Tensor | tuple[Tensor, ...]
+
+``inputs`` are one bucket's static buffers (``StaticBuffers.tensors``, batch dim = the bucket size);
+``persistent`` are long-lived tensors (KV caches, slot tables) that the caller passes at every call. The step
+must not branch on tensor values, call ``.item()`` or allocate by value: that is what lets
+``torch.compile(fullgraph=True)`` compile it and a CUDA graph capture it.
+
+Two replay paths, chosen by ``use_cuda_graph``:
+* CUDA graph: ``warmup`` runs the step on a side stream, then captures one ``torch.cuda.CUDAGraph`` per
+  bucket (all sharing one memory pool, largest bucket first so smaller graphs reuse its memory); ``run``
+  copies the real rows into the bucket's buffers and replays.
+* Compiled replay (CPU, or CUDA without graphs): ``run`` calls the compiled step on the bucket's static
+  buffers, so every call sees the same shapes as warm-up: no recompiles, no per-step input allocation.
+
+Outputs of ``run`` have the bucket's batch size (the caller slices ``[:n]``, or uses ``run_sliced``). On the
+CUDA-graph path they are the graph's static outputs: valid until the next ``run`` of any bucket (graphs share
+one pool), so copy what must outlive it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from graphs.cuda_graph import capture_graph, describe_changes, on_stream, signatures, synchronize
+from graphs.static_buffers import StaticBuffers
+from profiling import range as prof_range
+
+__all__ = ["GraphRunner", "RunnerStats", "Outputs", "StepFn"]
+
+Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+StepFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], Outputs]
+Key = Hashable
+
+
+@dataclass
+class RunnerStats:
+    """Counters since construction.
+
+    replays:    runs through a warmed bucket (CUDA-graph replay, or compiled call on the static buffers).
+    fallbacks:  runs without a bucket (batch beyond the largest bucket, or a key that was not warmed).
+    recaptures: times every graph was re-captured because a persistent tensor changed (CUDA graphs only).
+    """
+
+    replays: int = 0
+    fallbacks: int = 0
+    recaptures: int = 0
+
+
+@dataclass
+class _Entry:
+    """One warmed bucket: its static buffers and, on the CUDA-graph path, its graph and static outputs."""
+
+    buffers: StaticBuffers
+    attrs: dict[str, Any]
+    graph: Any = None  # torch.cuda.CUDAGraph (Any: the type exists on CPU builds, but is unusable there)
+    outputs: Outputs | None = None
+
+
+@dataclass
+class _Warned:
+    """What this runner has already warned about (each warning once per runner)."""
+
+    fallback: bool = False
+    replaced: bool = False
+    cpu_names: set[str] = field(default_factory=set)
+
+
+def _key_attrs(key: Key) -> dict[str, Any]:
+    """Profiling/progress attributes of a key: ``(bs, kv)`` -> bs, kv; an int -> bs; anything else -> key."""
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key):
+        return {"bs": key[0], "kv": key[1]}
+    if isinstance(key, int):
+        return {"bs": key}
+    return {"key": key}
+
+
+def _describe(attrs: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in attrs.items())
+
+
+def _largest_first(keys: Sequence[Key]) -> list[Key]:
+    """Keys sorted largest first when they are comparable (ints, tuples of ints), else in the given order."""
+    try:
+        return sorted(keys, reverse=True)
+    except TypeError:
+        return list(keys)
+
+
+def _check_outputs(out: Any) -> Outputs:
+    """A step returns a tensor or a tuple of tensors (a list is accepted and turned into a tuple)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    raise TypeError(f"step_fn must return a Tensor or a tuple of Tensors, got {type(out).__name__}")
+
+
+def _slice_rows(out: Outputs, n: int) -> Outputs:
+    """Every output's dim 0 cut to the real batch size ``n`` (views, no copy)."""
+    if isinstance(out, torch.Tensor):
+        return out[:n]
+    return tuple(t[:n] for t in out)
+
+
+class GraphRunner:
+    """Compile/capture ``step_fn`` once per key at start-up (``warmup``), then ``run`` it per step.
+
+    step_fn:      ``(inputs, persistent) -> Tensor | tuple[Tensor, ...]``, pure, static shapes (module doc).
+    make_buffers: ``key -> StaticBuffers`` for that bucket, on ``device``; its fill values must be valid inputs
+                  (warm-up and capture run the step on all-padding buffers).
+    keys:         the buckets (e.g. ``BucketPolicy.keys()``); warmed largest first.
+    device:       where buffers live and the step runs.
+    use_cuda_graph: capture CUDA graphs (needs a CUDA device); False -> compiled replay on static buffers.
+    compile_fn:   applied once to ``step_fn`` (e.g. a torch.compile wrapper); None -> eager.
+    fallback_fn:  ``(real_inputs, persistent) -> outputs`` for batches without a bucket; defaults to the
+                  compiled-or-eager step on the real, unpadded inputs.
+    warmup_iters: step runs per key before capture (>= 1; the first one compiles).
+    progress:     show a tqdm bar naming the bucket during ``warmup``.
+    recapture_on_change: on the CUDA-graph path, when a persistent tensor was replaced (address, shape, stride,
+                  dtype or device), re-capture every graph (True) or raise RuntimeError (False).
+    """
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        *,
+        make_buffers: Callable[[Key], StaticBuffers],
+        keys: Sequence[Key],
+        device: torch.device | str,
+        use_cuda_graph: bool,
+        compile_fn: Callable[[StepFn], StepFn] | None = None,
+        fallback_fn: StepFn | None = None,
+        warmup_iters: int = 2,
+        progress: bool = True,
+        recapture_on_change: bool = True,
+    ) -> None:
+        self.device = _normalize_device(device)
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graph=True needs a CUDA device, got device={self.device}")
+        if warmup_iters < 1:
+            # Compilation and autotuning must finish before capture: they cannot run inside a graph capture.
+            raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
+        keys = list(keys)
+        if not keys:
+            raise ValueError("keys must not be empty")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"keys must be unique, got {keys}")
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.keys: list[Key] = _largest_first(keys)
+        self.warmup_iters = warmup_iters
+        self.progress = progress
+        self.recapture_on_change = recapture_on_change
+        self.stats = RunnerStats()
+        self._make_buffers = make_buffers
+        # compile_fn is applied exactly once: every bucket and the fallback share one compiled function.
+        self._fn: StepFn = compile_fn(step_fn) if compile_fn is not None else step_fn
+        self._fallback: StepFn = fallback_fn if fallback_fn is not None else self._fn
+        self._entries: dict[Key, _Entry] = {}
+        self._signatures: dict[str, tuple] | None = None  # None until warmup: run() refuses to start
+        self._pool: Any = None
+        self._stream: Any = None
+        self._warned = _Warned()
+
+    # ---- public state ----
+
+    @property
+    def num_captured(self) -> int:
+        """How many CUDA graphs are currently captured (0 on the compiled-replay path)."""
+        return sum(e.graph is not None for e in self._entries.values())
+
+    @property
+    def warmed_keys(self) -> list[Key]:
+        """The keys that ``run`` serves from a bucket (largest first)."""
+        return [k for k in self.keys if k in self._entries]
+
+    def buffers(self, key: Key) -> StaticBuffers:
+        """The static buffers of a warmed key (KeyError otherwise)."""
+        return self._entries[key].buffers
+
+    # ---- warm-up ----
+
+    def warmup(self, persistent: Mapping[str, torch.Tensor]) -> dict[Key, dict[str, float]]:
+        """Allocate buffers, run (compiling) and, on CUDA, capture every key, largest first.
+
+        Returns per key ``{"compile_s": first run (includes any compile it triggers), "warmup_s": the other
+        runs, "capture_s": CUDA-graph capture (CUDA-graph path only)}``. Calling it again re-captures.
+        """
+        persistent = dict(persistent)
+        self._signatures = None  # until every key is warmed: a failed warm-up leaves run() refusing to start
+        self._release_graphs()
+        if self.use_cuda_graph:
+            # One pool for all graphs: they never run concurrently, so they can share memory.
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=self.device)
+        timings: dict[Key, dict[str, float]] = {}
+        bar = tqdm(self.keys, disable=not self.progress, unit="bucket", leave=False)
+        for key in bar:
+            attrs = _key_attrs(key)
+            bar.set_description(f"{'capture' if self.use_cuda_graph else 'compile'} {_describe(attrs)}")
+            timings[key] = self._warm_one(key, attrs, persistent)
+        bar.close()
+        self._signatures = self._signatures_of(persistent)
+        return timings
+
+    def _warm_one(self, key: Key, attrs: dict[str, Any], persistent: dict[str, torch.Tensor]) -> dict[str, float]:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(self._new_buffers(key), attrs)
+        inputs = entry.buffers.tensors
+        times: dict[str, float] = {}
+        with prof_range("warmup", **attrs), on_stream(self._stream):
+            t0 = time.perf_counter()
+            with prof_range("compile", **attrs):
+                _check_outputs(self._fn(inputs, persistent))
+                synchronize(self.device)
+            t1 = time.perf_counter()
+            for _ in range(self.warmup_iters - 1):
+                self._fn(inputs, persistent)
+            synchronize(self.device)
+            times["compile_s"], times["warmup_s"] = t1 - t0, time.perf_counter() - t1
+        if self.use_cuda_graph:
+            t0 = time.perf_counter()
+            with prof_range("capture", **attrs):
+                entry.graph, out = capture_graph(lambda: self._fn(inputs, persistent), self._pool, self._stream)
+                entry.outputs = _check_outputs(out)
+            times["capture_s"] = time.perf_counter() - t0
+        return times
+
+    def _new_buffers(self, key: Key) -> StaticBuffers:
+        buffers = self._make_buffers(key)
+        if not isinstance(buffers, StaticBuffers):
+            raise TypeError(f"make_buffers({key!r}) must return StaticBuffers, got {type(buffers).__name__}")
+        devices = {t.device for t in buffers.tensors.values()}
+        if devices != {self.device}:
+            raise ValueError(f"make_buffers({key!r}) allocated on {devices}, the runner's device is {self.device}")
+        return buffers
+
+    # ---- run ----
+
+    def run(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+        """One step. ``key`` None or not warmed -> the fallback on the real inputs (warned once per runner);
+        else copy ``real_inputs`` (``n <= bucket`` rows) into the bucket's buffers and replay (CUDA graph) or
+        call the compiled step on them. Returns bucket-shaped outputs (fallback: real-shaped)."""
+        if self._signatures is None:
+            raise RuntimeError("GraphRunner.run() before warmup(persistent) (or after reset())")
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            return self._run_fallback(key, real_inputs, persistent)
+        self._check_persistent(persistent)
+        with prof_range("replay", **entry.attrs):
+            entry.buffers.copy_in(real_inputs)
+            if entry.graph is not None:
+                entry.graph.replay()
+                out = entry.outputs
+            else:
+                out = self._fn(entry.buffers.tensors, dict(persistent))
+        self.stats.replays += 1
+        return out
+
+    def run_sliced(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+        """``run``, with every output's dim 0 cut to the real batch size (views of the static outputs)."""
+        out = self.run(key, real_inputs, persistent)
+        return _slice_rows(out, self._num_rows(key, real_inputs))
+
+    def _num_rows(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor]) -> int:
+        """The real batch size, read through the bucket's buffer specs (the largest bucket's for a fallback)."""
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            entry = self._entries[self.warmed_keys[0]]
+        return entry.buffers.num_rows(real_inputs)
+
+    def _run_fallback(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+        n = self._num_rows(key, real_inputs)
+        if not self._warned.fallback:
+            self._warned.fallback = True
+            warnings.warn(
+                f"GraphRunner: batch of {n} rows (key={key!r}) has no warmed bucket; the largest bucket is "
+                f"{self.warmed_keys[0]!r}. Running the fallback path without a graph (slower; it may compile a "
+                f"new shape). Raise the maximum batch size to avoid this. Warned once per runner.",
+                stacklevel=3,
+            )
+        with prof_range("fallback", bs=n):
+            out = self._fallback(dict(real_inputs), dict(persistent))
+        self.stats.fallbacks += 1
+        return out
+
+    # ---- persistent-tensor safety ----
+
+    def _signatures_of(self, persistent: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+        # A captured graph baked the addresses; a compiled function only guards on metadata.
+        return signatures(persistent, with_ptr=self.use_cuda_graph)
+
+    def _check_persistent(self, persistent: Mapping[str, torch.Tensor]) -> None:
+        """Cheap per-run check (one tuple per tensor) that the graphs' baked tensors are the ones passed."""
+        if self._signatures_of(persistent) == self._signatures:
+            return
+        assert self._signatures is not None
+        changes = describe_changes(self._signatures, persistent, with_ptr=self.use_cuda_graph)
+        if not self.use_cuda_graph:
+            self._warn_cpu_change(changes, persistent)
+            return
+        what = "; ".join(changes.values())
+        if not self.recapture_on_change:
+            raise RuntimeError(
+                f"{what}: the captured CUDA graphs would read freed or wrong memory. Pass the tensors used at "
+                "warmup, or construct the runner with recapture_on_change=True."
+            )
+        if not self._warned.replaced:
+            self._warned.replaced = True
+            warnings.warn(
+                f"{what}; re-capturing all {len(self._entries)} CUDA graphs (slow: keep persistent tensors alive "
+                "and in place). Warned once per runner.",
+                stacklevel=3,
+            )
+        self.stats.recaptures += 1
+        self.warmup(persistent)
+
+    def _warn_cpu_change(self, changes: dict[str, str], persistent: Mapping[str, torch.Tensor]) -> None:
+        # Nothing is baked on this path, but new metadata fails the compiled function's guards: a recompile.
+        # Warned once per tensor name; the new metadata becomes the reference.
+        new = [msg for name, msg in changes.items() if name not in self._warned.cpu_names]
+        self._warned.cpu_names.update(changes)
+        if new:
+            warnings.warn(f"{'; '.join(new)}: the compiled step may recompile.", stacklevel=4)
+        self._signatures = self._signatures_of(persistent)
+
+    # ---- teardown ----
+
+    def _release_graphs(self) -> None:
+        """Drop every graph and its static outputs (buffers stay: their addresses are reused on re-capture)."""
+        if any(e.graph is not None for e in self._entries.values()):
+            synchronize(self.device)  # no graph may be destroyed while a replay is in flight
+        for entry in self._entries.values():
+            entry.graph = None
+            entry.outputs = None
+        self._pool = None
+
+    def reset(self) -> None:
+        """Free all graphs, outputs and buffers; ``run`` refuses to start until ``warmup`` is called again."""
+        self._release_graphs()
+        self._entries.clear()
+        self._signatures = None
+        self._stream = None
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>`` so it compares equal to a tensor's ``.device``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

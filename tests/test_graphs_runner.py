@@ -1,0 +1,391 @@
+"""GraphRunner with a toy attention-like step over a persistent cache (CPU compiled replay; CUDA twins).
+
+The toy step reads a persistent ``cache [S, D]`` through a static slot table, masks by ``seq_lens`` and
+returns ``(out [bs, D], lse [bs])``: the shape of a decode step without the attention specifics.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers
+from profiling import enabled_ranges
+
+D = 8
+NUM_SLOTS = 64
+POLICY = BucketPolicy((1, 2, 4, 8, 16), (16, 32))
+
+# torch's own import of torch.utils.mkldnn (pulled in by inductor) warns about torch.jit.script_method.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def toy_step(inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [bs, D] f32, slots [bs, kv] i64 (rows of cache), seq_lens [bs] i64; cache [S, D] f32.
+
+    Returns out [bs, D] (softmax-weighted cache rows over the first seq_lens slots) and lse [bs].
+    """
+    q, slots, lens = inputs["q"], inputs["slots"], inputs["seq_lens"]
+    k = persistent["cache"][slots]  # [bs, kv, D]
+    scores = (k * q[:, None, :]).sum(-1)  # [bs, kv]
+    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    out = (torch.softmax(scores, -1)[..., None] * k).sum(1)
+    return out, torch.logsumexp(scores, -1)
+
+
+def make_buffers_on(device):
+    def make_buffers(key: tuple[int, int]) -> StaticBuffers:
+        bs, kv = key
+        specs = {
+            "q": BufferSpec((bs, D), torch.float32, fill=0.0),
+            "slots": BufferSpec((bs, kv), torch.int64, fill=0),  # padded rows read the dummy slot 0
+            "seq_lens": BufferSpec((bs,), torch.int64, fill=1),  # one token: cheap and finite
+        }
+        return StaticBuffers(specs, device)
+
+    return make_buffers
+
+
+def real_batch(n: int, max_len: int, device="cpu", gen=None) -> dict[str, torch.Tensor]:
+    """n requests of 1..max_len tokens, slots padded to kv_bucket(max_len) columns (never slot 0)."""
+    kv = POLICY.kv_bucket(max_len)
+    lens = torch.randint(1, max_len + 1, (n,), generator=gen)
+    lens[0] = max_len
+    return {
+        "q": torch.randn(n, D, generator=gen).to(device),
+        "slots": torch.randint(1, NUM_SLOTS, (n, kv), generator=gen).to(device),
+        "seq_lens": lens.to(device),
+    }
+
+
+def inductor(fn):
+    return torch.compile(fn, fullgraph=True, backend="inductor")
+
+
+def make_runner(device="cpu", *, compile_fn=inductor, keys=POLICY.keys(), **kwargs) -> GraphRunner:
+    return GraphRunner(
+        toy_step,
+        make_buffers=make_buffers_on(device),
+        keys=keys,
+        device=device,
+        use_cuda_graph=torch.device(device).type == "cuda",
+        compile_fn=compile_fn,
+        progress=False,
+        **kwargs,
+    )
+
+
+def assert_outputs_match(got, real, persistent, n):
+    want = toy_step(real, persistent)
+    for g, w in zip(got, want):
+        assert g.shape[0] >= n
+        torch.testing.assert_close(g[:n], w, rtol=1e-5, atol=1e-5)
+
+
+def key_for(real):
+    return POLICY.key(real["q"].shape[0], real["slots"].shape[1])
+
+
+def compile_count() -> tuple[int, int]:
+    # torch 2.13 has no counters["recompiles"] (and counters["frames"] stays empty on this path): every dynamo
+    # compile adds one to stats/unique_graphs and one aot_autograd/total.
+    return counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from a clean dynamo cache (inductor's on-disk cache keeps that fast)."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def persistent():
+    return {"cache": torch.randn(NUM_SLOTS, D, generator=torch.Generator().manual_seed(0))}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: compiled replay on static buffers
+
+
+def test_compiled_runner_matches_eager_inside_and_at_bucket_edges(persistent):
+    runner = make_runner()
+    timings = runner.warmup(persistent)
+    assert list(timings) == list(POLICY.keys())  # largest first
+    assert all(set(t) == {"compile_s", "warmup_s"} for t in timings.values())
+    assert runner.num_captured == 0 and runner.warmed_keys == list(POLICY.keys())
+    gen = torch.Generator().manual_seed(1)
+    for n in (3, 5, 13, 1, 2, 4, 8, 16):
+        for max_len in (7, 16, 17, 32):
+            real = real_batch(n, max_len, gen=gen)
+            out = runner.run(key_for(real), real, persistent)
+            assert out[0].shape == (runner.buffers(key_for(real)).bucket, D)
+            assert_outputs_match(out, real, persistent, n)
+            sliced = runner.run_sliced(key_for(real), real, persistent)
+            assert [t.shape[0] for t in sliced] == [n, n]
+    assert runner.stats.replays == 64 and runner.stats.fallbacks == 0
+
+
+def test_padded_rows_never_leak_into_real_outputs(persistent):
+    runner = make_runner(compile_fn=None)  # padding semantics are the runner's, not the compiler's
+    runner.warmup(persistent)
+    gen = torch.Generator().manual_seed(2)
+    full = real_batch(16, 32, gen=gen)
+    full["q"] *= 100.0  # make every row of the bucket's buffers loud
+    runner.run((16, 32), full, persistent)
+    real = real_batch(13, 32, gen=gen)
+    out, lse = runner.run((16, 32), real, persistent)
+    assert_outputs_match((out, lse), real, persistent, 13)
+    # padded rows read the dummy slot 0 with q = 0: finite, and nothing from the previous batch
+    torch.testing.assert_close(out[13:], persistent["cache"][0].expand(3, D))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_no_new_compiles_after_warmup(persistent):
+    runner = make_runner()
+    runner.warmup(persistent)
+    before = compile_count()
+    assert before[0] >= 1
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    # error_on_recompile turns any guard failure into an exception rather than a silent recompile
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(50):
+            real = real_batch(rng.randint(1, 16), rng.randint(1, 32), gen=gen)
+            out = runner.run(key_for(real), real, persistent)
+            assert_outputs_match(out, real, persistent, real["q"].shape[0])
+    assert compile_count() == before
+    assert runner.stats.replays == 50
+
+
+def test_beyond_largest_bucket_runs_fallback_and_warns_once(persistent):
+    runner = make_runner()
+    runner.warmup(persistent)
+    gen = torch.Generator().manual_seed(4)
+    with pytest.warns(UserWarning, match=r"batch of 20 rows.*largest bucket is \(16, 32\)") as record:
+        for n in (20, 24, 17):
+            real = real_batch(n, 30, gen=gen)
+            assert key_for(real) is None
+            out = runner.run(None, real, persistent)
+            assert out[0].shape == (n, D)
+            assert_outputs_match(out, real, persistent, n)
+            assert [t.shape[0] for t in runner.run_sliced(None, real, persistent)] == [n, n]
+    assert len([w for w in record if "no warmed bucket" in str(w.message)]) == 1
+    assert runner.stats.fallbacks == 6 and runner.stats.replays == 0
+
+
+def test_custom_fallback_and_unwarmed_key(persistent):
+    calls = []
+
+    def fallback(real, pers):
+        calls.append(real["q"].shape[0])
+        return toy_step(real, pers)
+
+    runner = make_runner(compile_fn=None, keys=[(4, 16)], fallback_fn=fallback)
+    runner.warmup(persistent)
+    real = real_batch(3, 20)  # kv bucket 32 was not warmed
+    with pytest.warns(UserWarning, match="no warmed bucket"):
+        out = runner.run((4, 32), real, persistent)
+    assert_outputs_match(out, real, persistent, 3)
+    assert calls == [3]
+
+
+def test_replaced_persistent_tensor_of_other_shape_is_detected(persistent):
+    runner = make_runner()
+    runner.warmup(persistent)
+    real = real_batch(5, 12)
+    runner.run(key_for(real), real, persistent)
+    bigger = {"cache": torch.randn(2 * NUM_SLOTS, D)}
+    with pytest.warns(UserWarning, match=r"'cache' was replaced \(shape \(64, 8\) -> \(128, 8\)"):
+        out = runner.run(key_for(real), real, bigger)
+    assert_outputs_match(out, real, bigger, 5)  # follows the new tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same tensor again: no second warning
+        runner.run(key_for(real), real, bigger)
+
+
+def test_cpu_path_reads_cache_updates_in_place(persistent):
+    runner = make_runner(compile_fn=None)
+    runner.warmup(persistent)
+    real = real_batch(3, 10)
+    first = [t.clone() for t in runner.run(key_for(real), real, persistent)]
+    persistent["cache"].mul_(2.0).add_(1.0)
+    second = runner.run(key_for(real), real, persistent)
+    assert not torch.allclose(first[0][:3], second[0][:3])
+    assert_outputs_match(second, real, persistent, 3)
+
+
+def test_run_before_warmup_and_after_reset_raises(persistent):
+    runner = make_runner(compile_fn=None, keys=[(2, 16)])
+    real = real_batch(2, 5)
+    with pytest.raises(RuntimeError, match="warmup"):
+        runner.run((2, 16), real, persistent)
+    runner.warmup(persistent)
+    runner.run((2, 16), real, persistent)
+    runner.reset()
+    assert runner.warmed_keys == [] and runner.num_captured == 0
+    with pytest.raises(RuntimeError, match="warmup"):
+        runner.run((2, 16), real, persistent)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphRunner(toy_step, make_buffers=make_buffers_on("cpu"), keys=[(1, 16)], device="cpu", use_cuda_graph=True)
+    with pytest.raises(ValueError, match="warmup_iters"):
+        make_runner(keys=[(1, 16)], warmup_iters=0)
+    with pytest.raises(ValueError, match="unique"):
+        make_runner(keys=[(1, 16), (1, 16)])
+    with pytest.raises(ValueError, match="empty"):
+        make_runner(keys=[])
+
+
+def test_bad_step_output_and_bad_buffers_rejected_at_warmup(persistent):
+    runner = GraphRunner(
+        lambda i, p: {"out": i["q"]}, make_buffers=make_buffers_on("cpu"), keys=[(1, 16)], device="cpu",
+        use_cuda_graph=False, progress=False,
+    )
+    with pytest.raises(TypeError, match="step_fn must return"):
+        runner.warmup(persistent)
+    runner = GraphRunner(
+        toy_step, make_buffers=lambda key: {"q": torch.zeros(1)}, keys=[(1, 16)], device="cpu",
+        use_cuda_graph=False, progress=False,
+    )
+    with pytest.raises(TypeError, match="StaticBuffers"):
+        runner.warmup(persistent)
+
+
+def test_warmup_iters_and_compile_called_once(persistent):
+    calls = {"step": 0, "compile": 0}
+
+    def counting_step(inputs, pers):
+        calls["step"] += 1
+        return toy_step(inputs, pers)
+
+    def compile_fn(fn):
+        calls["compile"] += 1
+        return fn
+
+    runner = GraphRunner(
+        counting_step, make_buffers=make_buffers_on("cpu"), keys=POLICY.keys(), device="cpu",
+        use_cuda_graph=False, compile_fn=compile_fn, warmup_iters=3, progress=False,
+    )
+    runner.warmup(persistent)
+    assert calls == {"step": 3 * len(POLICY.keys()), "compile": 1}
+
+
+def test_progress_bar_names_the_bucket(persistent, capsys):
+    runner = GraphRunner(
+        toy_step, make_buffers=make_buffers_on("cpu"), keys=[(4, 16), (2, 32)], device="cpu",
+        use_cuda_graph=False, progress=True,
+    )
+    runner.warmup(persistent)
+    err = capsys.readouterr().err
+    assert "bs=4 kv=16" in err and "bs=2 kv=32" in err
+
+
+def test_profiler_ranges_around_warmup_replay_and_fallback(persistent):
+    runner = make_runner(compile_fn=None, keys=[(4, 16)])
+    with enabled_ranges(True), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.warmup(persistent)
+        runner.run((4, 16), real_batch(3, 9), persistent)
+        with pytest.warns(UserWarning):
+            runner.run(None, real_batch(6, 9), persistent)
+    names = {e.name for e in prof.events()}
+    for expected in ("warmup bs=4 kv=16", "compile bs=4 kv=16", "replay bs=4 kv=16", "fallback bs=6"):
+        assert expected in names, (expected, sorted(n for n in names if "=" in n))
+
+
+def test_integer_keys_work(persistent):
+    """Keys are opaque to the runner: a plain batch-size key works too."""
+
+    def make_buffers(bs: int) -> StaticBuffers:
+        return make_buffers_on("cpu")((bs, 16))
+
+    runner = GraphRunner(toy_step, make_buffers=make_buffers, keys=[2, 8, 4], device="cpu", use_cuda_graph=False,
+                         progress=False)
+    assert runner.keys == [8, 4, 2]
+    runner.warmup(persistent)
+    real = real_batch(3, 16)
+    assert_outputs_match(runner.run(4, real, persistent), real, persistent, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA twins: graph capture and replay
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("compile_fn", [None, inductor], ids=["eager", "inductor"])
+def test_cuda_graph_replay_matches_eager(compile_fn):
+    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
+    runner = make_runner("cuda", compile_fn=compile_fn)
+    timings = runner.warmup(persistent)
+    assert runner.num_captured == len(POLICY.keys())
+    assert all("capture_s" in t for t in timings.values())
+    gen = torch.Generator().manual_seed(5)
+    for n in (3, 5, 13, 1, 16):
+        real = real_batch(n, 20, "cuda", gen=gen)
+        out = runner.run(key_for(real), real, persistent)
+        assert_outputs_match(out, real, persistent, n)
+    assert runner.stats.replays == 5
+    runner.reset()
+    assert runner.num_captured == 0
+
+
+@cuda
+@needs_cuda
+def test_cuda_graph_replay_reads_new_cache_data():
+    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
+    runner = make_runner("cuda", compile_fn=None)
+    runner.warmup(persistent)
+    real = real_batch(5, 12, "cuda")
+    first = [t.clone() for t in runner.run(key_for(real), real, persistent)]
+    persistent["cache"].copy_(torch.randn(NUM_SLOTS, D, device="cuda"))
+    second = runner.run(key_for(real), real, persistent)
+    assert not torch.allclose(first[0][:5], second[0][:5])
+    assert_outputs_match(second, real, persistent, 5)
+
+
+@cuda
+@needs_cuda
+def test_cuda_replaced_persistent_tensor_triggers_recapture():
+    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
+    runner = make_runner("cuda", compile_fn=None, keys=[(8, 16), (4, 16)])
+    runner.warmup(persistent)
+    real = real_batch(3, 10, "cuda")
+    runner.run(key_for(real), real, persistent)
+    for replacement in (torch.randn(NUM_SLOTS, D, device="cuda"), torch.randn(2 * NUM_SLOTS, D, device="cuda")):
+        new = {"cache": replacement}
+        if runner.stats.recaptures == 0:
+            with pytest.warns(UserWarning, match="'cache' was replaced.*re-capturing all 2 CUDA graphs"):
+                out = runner.run(key_for(real), real, new)
+        else:
+            out = runner.run(key_for(real), real, new)  # warned once per runner
+        assert_outputs_match(out, real, new, 3)
+        assert runner.num_captured == 2
+    assert runner.stats.recaptures == 2
+    del persistent  # the original cache is freed: the graphs no longer point at it
+    out = runner.run(key_for(real), real, new)
+    assert_outputs_match(out, real, new, 3)
+
+
+@cuda
+@needs_cuda
+def test_cuda_replaced_persistent_tensor_raises_without_recapture():
+    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
+    runner = make_runner("cuda", compile_fn=None, keys=[(4, 16)], recapture_on_change=False)
+    runner.warmup(persistent)
+    real = real_batch(3, 10, "cuda")
+    with pytest.raises(RuntimeError, match="'cache' was replaced"):
+        runner.run((4, 16), real, {"cache": persistent["cache"].clone()})
