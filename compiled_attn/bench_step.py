@@ -1,0 +1,145 @@
+"""``compiled-attn bench-step``: an N-layer decode step through ``DecodeGraphs`` (issue: graphs).
+
+Reports, per batch size: first step after ``warmup()`` / median step, the same ratio for a compiled step that
+was *not* warmed up (its first call compiles, the seed's 0.9 s spike), compiled vs eager median, and the cold
+warm-up time for every bucket. ``--restart`` runs the command twice in fresh processes sharing one inductor cache
+directory (and a saved artifacts file) and compares cold vs warm start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from profiling.timers import format_table, median, time_fn
+
+from .attention_stack import StackShape, make_caches, make_stack_step
+from .compile_policy import compile_step, load_artifacts, save_artifacts, set_cache_dir
+from .graph_decode import DecodeGraphs, GraphConfig, RowInput
+from .plan import plan_decode
+
+
+def _batch(shape: StackShape, persistent: dict, bs: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    table = persistent["req_to_token"]
+    num_slots = persistent["k0"].shape[0]
+    slots = (torch.randperm(num_slots - 1, generator=g)[: bs * length] + 1).to(torch.int32)
+    rows = torch.randperm(table.shape[0] - 1, generator=g)[:bs] + 1
+    table[rows, :length] = slots.view(bs, length)
+    lens = torch.full((bs,), length)
+    x = torch.randn(bs, shape.hq, shape.dqk, generator=g)
+    v0 = persistent["k0"][..., : shape.dv] if shape.mla else persistent["v0"]
+    meta = plan_decode(x, persistent["k0"], v0, table, rows, lens)
+    rows_in = {"x": x, "out_cache_loc": table[rows, length - 1].long()}
+    return meta, rows_in
+
+
+def _step_inputs(meta, rows_in):
+    return {**meta.step_inputs(), **rows_in}
+
+
+def run(args) -> dict:
+    if args.cache_dir:
+        set_cache_dir(args.cache_dir)
+    if args.artifacts:
+        load_artifacts(args.artifacts)
+    torch.manual_seed(0)
+    shape = StackShape.preset(args.model, args.layers)
+    max_bs = max(args.batch_size)
+    num_slots = max_bs * args.length + 16
+    persistent = make_caches(shape, num_slots)
+    for t in persistent.values():
+        t.normal_()
+    persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32)
+    step = make_stack_step(shape)
+    config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length,
+                         cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
+    graphs = DecodeGraphs(step, config=config, device="cpu",
+                          row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),
+                                      "out_cache_loc": RowInput((), torch.int64)})
+    start = time.perf_counter()
+    timings = graphs.warmup(persistent)
+    warmup_s = time.perf_counter() - start
+    if args.artifacts and not os.path.exists(args.artifacts):
+        save_artifacts(args.artifacts)
+    rows = []
+    for bs in args.batch_size:
+        meta, rows_in = _batch(shape, persistent, bs, args.length, seed=bs)
+        first_start = time.perf_counter()
+        graphs.run(meta, rows_in, persistent)
+        first = time.perf_counter() - first_start
+        graph_t = time_fn(lambda: graphs.run(meta, rows_in, persistent), warmup=0, iters=args.iters)
+        eager_t = time_fn(lambda: step(_step_inputs(meta, rows_in), persistent), warmup=1, iters=args.iters)
+        rows.append({"bs": bs, "first_ms": first * 1e3, "median_ms": median(graph_t) * 1e3,
+                     "first/median": first / median(graph_t), "eager_ms": median(eager_t) * 1e3,
+                     "eager/compiled": median(eager_t) / median(graph_t)})
+    if args.no_warmup_check:
+        # a compiled step that was never warmed: its first call pays the compile (what warm-up removes)
+        torch._dynamo.reset()  # forget the warmed graphs, so this one really compiles at its first call
+        cold = compile_step(make_stack_step(shape))
+        meta, rows_in = _batch(shape, persistent, args.batch_size[0], args.length, seed=99)
+        inputs = _step_inputs(meta, rows_in)
+        t0 = time.perf_counter()
+        cold(inputs, persistent)
+        first = time.perf_counter() - t0
+        med = median(time_fn(lambda: cold(inputs, persistent), warmup=0, iters=args.iters))
+        rows.append({"bs": f"{args.batch_size[0]} (no warm-up)", "first_ms": first * 1e3, "median_ms": med * 1e3,
+                     "first/median": first / med})
+    return {"model": args.model, "layers": args.layers, "length": args.length, "warmup_s": warmup_s,
+            "buckets": len(timings), "rows": rows}
+
+
+def _restart(argv: list[str]) -> int:
+    """Run twice in fresh processes sharing one inductor cache dir and artifacts file: cold, then warm."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = []
+        for name in ("cold", "warm"):
+            path = os.path.join(tmp, f"{name}.json")
+            cmd = [sys.executable, "-m", "compiled_attn.bench_step", *argv, "--cache-dir", os.path.join(tmp, "c"),
+                   "--artifacts", os.path.join(tmp, "artifacts.bin"), "--json", path, "--quiet"]
+            subprocess.run(cmd, check=True)
+            with open(path) as f:
+                out.append(json.load(f)["warmup_s"])
+        print(f"start-up warm-up: cold {out[0]:.1f} s, warm restart {out[1]:.1f} s "
+              f"({100 * out[1] / out[0]:.0f}% of cold)")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="compiled-attn bench-step", description=__doc__)
+    p.add_argument("--model", default="mha", choices=["mha", "mla", "tiny-mha", "tiny-mla"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None)
+    p.add_argument("--length", type=int, default=1024, help="context length of every request")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-warmup-check", action="store_true", help="also time a compiled step never warmed up")
+    p.add_argument("--restart", action="store_true", help="measure cold vs warm start-up in two processes")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--artifacts", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if min(args.batch_size) < 1 or args.layers < 1 or args.length < 1:
+        p.error("--batch-size, --layers and --length must be >= 1")
+    if args.restart:
+        return _restart([a for a in argv if a != "--restart"])
+    result = run(args)
+    print(f"{args.model} x{args.layers} layers, context {args.length}: warm-up {result['warmup_s']:.1f} s for "
+          f"{result['buckets']} buckets")
+    print(format_table(result["rows"], ["bs", "first_ms", "median_ms", "first/median", "eager_ms", "eager/compiled"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

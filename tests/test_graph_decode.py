@@ -1,0 +1,173 @@
+"""DecodeGraphs on CPU: per-bucket compiled replay equals the plain step; no recompiles after warm-up; fallback;
+replaced buffers are detected. (CUDA twins at the end run through profiling/gpu_check.sh.)"""
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from compiled_attn.attention_stack import StackShape, make_caches, make_stack_step
+from compiled_attn.graph_decode import DecodeGraphs, GraphConfig, RowInput
+from compiled_attn.plan import plan_decode
+
+BUCKETS = [1, 2, 4, 8, 16]
+MAX_CONTEXT = 64
+
+
+def _setup(device="cpu", model="tiny-mha", buckets=BUCKETS, max_kv=1024, compile=True):
+    shape = StackShape.preset(model, num_layers=2)
+    persistent = make_caches(shape, 2048, device=device)
+    for t in persistent.values():
+        t.normal_()
+    persistent["req_to_token"] = torch.zeros(40, MAX_CONTEXT, dtype=torch.int32, device=device)
+    step = make_stack_step(shape)
+    config = GraphConfig(max_batch_size=max(buckets), max_kv_tokens=max_kv, cuda_graph_bs=buckets,
+                         enable_torch_compile=compile, progress=False)
+    graphs = DecodeGraphs(step, config=config, device=device,
+                          row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),
+                                      "out_cache_loc": RowInput((), torch.int64)})
+    return shape, step, graphs, persistent
+
+
+def _batch(shape, persistent, bs, gen, block_size=64):
+    """A random decode batch: random rows, random lengths (0 included), scattered slots."""
+    table = persistent["req_to_token"]
+    dev = table.device
+    num_slots = persistent["k0"].shape[0]
+    lens = torch.randint(0, MAX_CONTEXT + 1, (bs,), generator=gen)
+    lens[torch.randint(0, bs, (1,), generator=gen)] = max(1, int(lens.max()))
+    rows = torch.randperm(table.shape[0] - 1, generator=gen)[:bs] + 1
+    slots = torch.randperm(num_slots - 1, generator=gen)[: int(lens.sum())] + 1
+    table[rows] = 0
+    used = 0
+    for r, n in zip(rows.tolist(), lens.tolist()):
+        table[r, :n] = slots[used:used + n].to(torch.int32).to(dev)
+        used += n
+    x = torch.randn(bs, shape.hq, shape.dqk, generator=gen).to(dev)
+    # the new token's slot is the request's last position; an empty request writes the padding slot
+    loc = torch.where(lens > 0, table[rows, (lens - 1).clamp_min(0)].cpu().long(), 0).to(dev)
+    v0 = persistent["k0"][..., : shape.dv] if shape.mla else persistent["v0"]
+    meta = plan_decode(x, persistent["k0"], v0, table, rows.to(dev), lens.to(dev), block_size=block_size)
+    return meta, {"x": x, "out_cache_loc": loc}
+
+
+def _plain(step, meta, rows, persistent):
+    clone = {k: v.clone() for k, v in persistent.items()}
+    return step({**meta.step_inputs(), **rows}, clone), clone
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    torch._dynamo.reset()
+    shape, step, graphs, persistent = _setup()
+    before = counters["stats"]["unique_graphs"]
+    timings = graphs.warmup(persistent)
+    return shape, step, graphs, persistent, timings, counters["stats"]["unique_graphs"] - before
+
+
+def test_warmup_covers_every_bucket(warmed):
+    _, _, graphs, _, timings, compiled_graphs = warmed
+    assert set(timings) == set(graphs.policy.keys())
+    assert {k[0] for k in timings} == set(BUCKETS)
+    # dynamic shapes: a handful of graphs serve all 15 buckets
+    assert 1 <= compiled_graphs <= 4
+
+
+@pytest.mark.parametrize("bs", [3, 5, 13, 1, 2, 4, 8, 16])
+def test_replay_equals_plain_step(warmed, bs):
+    shape, step, graphs, persistent, _, _ = warmed
+    meta, rows = _batch(shape, persistent, bs, torch.Generator().manual_seed(bs))
+    expected, cache_after = _plain(step, meta, rows, persistent)
+    out = graphs.run(meta, rows, persistent)
+    assert out.shape == (bs, shape.hq, shape.dqk)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for name in ("k0", "v0", "k1"):  # the step's KV writes landed where the plain step put them
+        torch.testing.assert_close(persistent[name], cache_after[name])
+
+
+def test_padded_rows_do_not_leak(warmed):
+    """Real rows give the same output whatever the bucket pads them with."""
+    shape, step, graphs, persistent, _, _ = warmed
+    meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(7))
+    first = graphs.run(meta, rows, persistent).clone()
+    buf = graphs.runners[0].buffers(graphs.key_for(meta))
+    buf.tensors["x"][3:].fill_(1e6)  # poison padding; copy_in must refill it
+    again = graphs.run(meta, rows, persistent)
+    torch.testing.assert_close(again, first)
+    assert torch.isfinite(again).all()
+
+
+def test_no_recompiles_after_warmup(warmed):
+    shape, _, graphs, persistent, _, _ = warmed
+    gen = torch.Generator().manual_seed(123)
+    before = dict(counters["stats"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(200):
+            bs = int(torch.randint(1, max(BUCKETS) + 1, (1,), generator=gen))
+            meta, rows = _batch(shape, persistent, bs, gen)
+            graphs.run(meta, rows, persistent)
+    assert counters["stats"]["unique_graphs"] == before["unique_graphs"]
+    assert sum(s.fallbacks for s in graphs.stats) == 0
+
+
+def test_beyond_largest_bucket_falls_back_once():
+    shape, step, graphs, persistent = _setup(buckets=[1, 2], max_kv=256, compile=False)
+    graphs.warmup(persistent)
+    gen = torch.Generator().manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bs in (3, 5):
+            meta, rows = _batch(shape, persistent, bs, gen)
+            expected, _ = _plain(step, meta, rows, persistent)
+            torch.testing.assert_close(graphs.run(meta, rows, persistent), expected, atol=1e-5, rtol=1e-5)
+    assert sum("largest" in str(w.message) or "bucket" in str(w.message) for w in caught) == 1
+    assert graphs.stats[0].fallbacks == 2
+
+
+def test_replaced_cache_is_detected():
+    shape, step, graphs, persistent = _setup(buckets=[1, 2], max_kv=256, compile=False)
+    graphs.warmup(persistent)
+    meta, rows = _batch(shape, persistent, 2, torch.Generator().manual_seed(1))
+    grown = dict(persistent, k0=torch.zeros(4096, shape.hkv, shape.dqk))
+    with pytest.warns(UserWarning, match="k0"):
+        graphs.run(meta, rows, grown)
+
+
+def test_mla_stack_replay_equals_plain_step():
+    shape, step, graphs, persistent = _setup(model="tiny-mla", buckets=[4], max_kv=512, compile=False)
+    graphs.warmup(persistent)
+    meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(3))
+    expected, _ = _plain(step, meta, rows, persistent)
+    torch.testing.assert_close(graphs.run(meta, rows, persistent), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["tiny-mha", "tiny-mla"])
+def test_cuda_graph_replay_equals_eager_and_reads_new_cache(model):
+    shape, step, graphs, persistent = _setup(device="cuda", model=model, buckets=[1, 4, 8], max_kv=1024)
+    graphs.warmup(persistent)
+    gen = torch.Generator().manual_seed(11)
+    meta, rows = _batch(shape, persistent, 5, gen)
+    expected, _ = _plain(step, meta, rows, persistent)
+    torch.testing.assert_close(graphs.run(meta, rows, persistent), expected, atol=1e-4, rtol=1e-4)
+    for t in persistent.values():  # new cache contents between replays must be read, not baked in
+        if t.is_floating_point():
+            t.mul_(-1.5)
+    expected, _ = _plain(step, meta, rows, persistent)
+    torch.testing.assert_close(graphs.run(meta, rows, persistent), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_first_step_after_warmup_is_not_a_spike():
+    import time
+    shape, step, graphs, persistent = _setup(device="cuda", buckets=[1, 4, 8], max_kv=1024)
+    graphs.warmup(persistent)
+    meta, rows = _batch(shape, persistent, 4, torch.Generator().manual_seed(2))
+    times = []
+    for _ in range(30):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graphs.run(meta, rows, persistent)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    assert times[0] <= 1.2 * sorted(times)[len(times) // 2] + 2e-4  # 0.2 ms slack for timer granularity
