@@ -31,9 +31,11 @@ def _batch(shape: StackShape, persistent: dict, bs: int, length: int, seed: int)
     num_slots = persistent["k0"].shape[0]
     slots = (torch.randperm(num_slots - 1, generator=g)[: bs * length] + 1).to(torch.int32)
     rows = torch.randperm(table.shape[0] - 1, generator=g)[:bs] + 1
-    table[rows, :length] = slots.view(bs, length)
-    lens = torch.full((bs,), length)
-    x = torch.randn(bs, shape.hq, shape.dqk, generator=g)
+    dev = table.device
+    rows = rows.to(dev)
+    table[rows, :length] = slots.view(bs, length).to(dev)
+    lens = torch.full((bs,), length, device=dev)
+    x = torch.randn(bs, shape.hq, shape.dqk, generator=g).to(dev)
     v0 = persistent["k0"][..., : shape.dv] if shape.mla else persistent["v0"]
     meta = plan_decode(x, persistent["k0"], v0, table, rows, lens)
     rows_in = {"x": x, "out_cache_loc": table[rows, length - 1].long()}
@@ -53,14 +55,16 @@ def run(args) -> dict:
     shape = StackShape.preset(args.model, args.layers)
     max_bs = max(args.batch_size)
     num_slots = max_bs * args.length + 16
-    persistent = make_caches(shape, num_slots)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    persistent = make_caches(shape, num_slots, device=dev)
     for t in persistent.values():
         t.normal_()
-    persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32)
+    persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32, device=dev)
     step = make_stack_step(shape)
     config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length,
                          cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
-    graphs = DecodeGraphs(step, config=config, device="cpu",
+    graphs = DecodeGraphs(step, config=config, device=dev,
                           row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),
                                       "out_cache_loc": RowInput((), torch.int64)})
     start = time.perf_counter()
@@ -71,11 +75,16 @@ def run(args) -> dict:
     rows = []
     for bs in args.batch_size:
         meta, rows_in = _batch(shape, persistent, bs, args.length, seed=bs)
+        if sync:
+            sync()
         first_start = time.perf_counter()
         graphs.run(meta, rows_in, persistent)
+        if sync:
+            sync()
         first = time.perf_counter() - first_start
-        graph_t = time_fn(lambda: graphs.run(meta, rows_in, persistent), warmup=0, iters=args.iters)
-        eager_t = time_fn(lambda: step(_step_inputs(meta, rows_in), persistent), warmup=1, iters=args.iters)
+        graph_t = time_fn(lambda: graphs.run(meta, rows_in, persistent), warmup=0, iters=args.iters, sync=sync)
+        eager_t = time_fn(lambda: step(_step_inputs(meta, rows_in), persistent), warmup=1, iters=args.iters,
+                          sync=sync)
         rows.append({"bs": bs, "first_ms": first * 1e3, "median_ms": median(graph_t) * 1e3,
                      "first/median": first / median(graph_t), "eager_ms": median(eager_t) * 1e3,
                      "eager/compiled": median(eager_t) / median(graph_t)})
@@ -87,12 +96,14 @@ def run(args) -> dict:
         inputs = _step_inputs(meta, rows_in)
         t0 = time.perf_counter()
         cold(inputs, persistent)
+        if sync:
+            sync()
         first = time.perf_counter() - t0
-        med = median(time_fn(lambda: cold(inputs, persistent), warmup=0, iters=args.iters))
+        med = median(time_fn(lambda: cold(inputs, persistent), warmup=0, iters=args.iters, sync=sync))
         rows.append({"bs": f"{args.batch_size[0]} (no warm-up)", "first_ms": first * 1e3, "median_ms": med * 1e3,
                      "first/median": first / med})
     return {"model": args.model, "layers": args.layers, "length": args.length, "warmup_s": warmup_s,
-            "buckets": len(timings), "rows": rows}
+            "buckets": len(timings), "rows": rows, "device": str(dev)}
 
 
 def _restart(argv: list[str]) -> int:
@@ -126,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--artifacts", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     if min(args.batch_size) < 1 or args.layers < 1 or args.length < 1:
         p.error("--batch-size, --layers and --length must be >= 1")

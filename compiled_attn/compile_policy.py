@@ -21,6 +21,11 @@ DEFAULT_RECOMPILE_LIMIT = 256
 def configure_dynamo(recompile_limit: int = DEFAULT_RECOMPILE_LIMIT) -> None:
     """Allow one compiled graph per bucket (and per layer configuration) without hitting dynamo's limit."""
     cfg = torch._dynamo.config
+    # duck sizing equates dims that merely happen to be equal at the first compile (a batch of 4 and 4 heads),
+    # and the first batch of another size then recompiles; buckets make such coincidences common
+    fx_config = getattr(torch.fx.experimental, "_config", None)
+    if fx_config is not None and hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7; keep both for torch >= 2.6
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), recompile_limit))
