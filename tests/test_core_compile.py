@@ -1,0 +1,68 @@
+"""The run functions compile with fullgraph=True, and new lengths in the same bucket shapes do not recompile."""
+import torch
+from torch._dynamo.utils import counters
+
+from batch_factory import make_batch
+from compiled_attn import (build_decode_index, build_extend_index, decode_blocks, extend_padded, plan_decode,
+                           plan_extend)
+from compiled_attn.compile_policy import compile_step
+from reference import reference_attention
+
+
+def decode_step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets):
+    index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
+    return decode_blocks(q, k_cache, v_cache, index, 0.25)
+
+
+def extend_step(q, k_cache, v_cache, table, m, token_ids):
+    index = build_extend_index(table, m["req_rows"], m["kv_lo"], m["kv_len"], m["q_first"], m["q_len"],
+                               m["q_offsets"], m["q_ids"], m["kv_ids"], token_ids, causal=True, sliding_window=None)
+    return extend_padded(q, k_cache, v_cache, index, 0.25)
+
+
+def _graphs():
+    return counters["stats"]["unique_graphs"]
+
+
+def test_decode_compiles_once_for_new_lengths():
+    torch._dynamo.reset()
+    fn = compile_step(decode_step, dynamic=False)
+    b = make_batch([5, 70, 1, 130], hq=4, hkv=2, dqk=16, decode=True, width=200)
+    results = []
+    for lens in ([5, 70, 1, 130], [64, 3, 100, 0], [130, 130, 2, 7]):
+        seq = torch.tensor(lens)
+        meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, seq, batch_capacity=8,
+                           block_capacity=8)
+        q = torch.zeros(8, 4, 16)
+        q[:4] = b.q
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, *meta.step_inputs().values())
+        ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, seq, (seq - 1).clamp_min(0),
+                                  torch.ones(4, dtype=torch.long), scale=0.25)
+        ref[seq == 0] = 0
+        assert (out[:4].double() - ref).abs().max() < 1e-4
+        results.append(_graphs())
+    assert results[1] == results[0] and results[2] == results[0], "new lengths recompiled"
+
+
+def _extend_meta(b, seq, prefix):
+    meta = plan_extend(b.q[: int((seq - prefix).sum())], b.k_cache, b.v_cache, b.req_to_token, b.rows, seq,
+                       prefix, seq - prefix, batch_capacity=4, q_capacity=40, kv_capacity=64)
+    return {k: getattr(meta, k) for k in ("req_rows", "kv_lo", "kv_len", "q_first", "q_len", "q_offsets",
+                                           "q_ids", "kv_ids")}
+
+
+def test_extend_compiles_once_for_new_lengths():
+    torch._dynamo.reset()
+    fn = compile_step(extend_step, dynamic=False)
+    b = make_batch([40, 20, 9], [10, 0, 2], hq=4, hkv=2, dqk=16, width=64)
+    counts = []
+    # same token count (the packed q's shape), different split between requests and prefixes
+    for seq, prefix in (([40, 20, 9], [10, 0, 2]), ([30, 30, 12], [0, 8, 7]), ([64, 1, 22], [30, 0, 0])):
+        seq, prefix = torch.tensor(seq), torch.tensor(prefix)
+        q = b.q[: int((seq - prefix).sum())]
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, _extend_meta(b, seq, prefix), torch.arange(q.shape[0]))
+        ref = reference_attention(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, seq, prefix, seq - prefix,
+                                  scale=0.25)
+        assert (out.double() - ref).abs().max() < 1e-4
+        counts.append(_graphs())
+    assert counts[0] == counts[1] == counts[2], "new lengths recompiled"
