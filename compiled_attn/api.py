@@ -26,6 +26,14 @@ def extend_index(req_to_token: torch.Tensor, meta: ExtendMetadata) -> ExtendInde
                               sliding_window=meta.sliding_window)
 
 
+def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True when ``v_cache`` is a view of ``k_cache``'s first columns (MLA's latent cache), so one gather serves
+    both. Host-side check on the caches' storage; call it once, outside compiled code."""
+    return (v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
+            and v_cache.storage_offset() == k_cache.storage_offset() and v_cache.stride() == k_cache.stride()
+            and v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2] <= k_cache.shape[2])
+
+
 def _scale(scale, dqk: int) -> float:
     return float(dqk) ** -0.5 if scale is None else float(scale)
 
@@ -43,7 +51,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn)
     return decode_blocks(q, k_cache, v_cache, decode_index(req_to_token, meta), _scale(scale, q.shape[2]),
-                         logit_cap)
+                         logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache))
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,

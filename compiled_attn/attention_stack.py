@@ -57,7 +57,7 @@ def make_stack_step(shape: StackShape):
             write_kv(k_cache, loc, new_k)
             if not shape.mla:
                 write_kv(v_cache, loc, new_k[..., : shape.dv].flip(-1))
-            attn = decode_blocks(x, k_cache, v_cache, index, scale)
+            attn = decode_blocks(x, k_cache, v_cache, index, scale, v_shares_k=shape.mla)
             x = torch.cat([x[..., : shape.dv] + attn, x[..., shape.dv:]], dim=-1) * 0.5
         return x
 

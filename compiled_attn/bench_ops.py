@@ -44,9 +44,9 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / median(time_fn(lambda: dst.copy_(src), warmup=2, iters=5)) / 1e9
 
 
-def _decode_step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets, scale):
+def _decode_step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets, scale, v_shares_k):
     index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
-    return decode_blocks(q, k_cache, v_cache, index, scale)
+    return decode_blocks(q, k_cache, v_cache, index, scale, v_shares_k=v_shares_k)
 
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0) -> dict:
@@ -59,8 +59,8 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     args = (q, k_cache, v_cache, table, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids, meta.block_offsets)
     compiled = compile_step(_decode_step)
     loop = lambda: loop_decode(q, k_cache, v_cache, table, rows, seq_lens, scale=scale)  # noqa: E731
-    eager = lambda: _decode_step(*args, scale)  # noqa: E731
-    comp = lambda: compiled(*args, scale)  # noqa: E731
+    eager = lambda: _decode_step(*args, scale, shape["mla"])  # noqa: E731
+    comp = lambda: compiled(*args, scale, shape["mla"])  # noqa: E731
     ref = loop()
     for fn in (eager, comp):  # the three must agree before any of them is timed
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,219 @@
+"""Shared pieces of the reference models: configs and presets, seeded weights, RMSNorm, rotary, SwiGLU MLP.
+
+Everything a forward calls is pure tensor code (no ``.item()``, no host sync, no Python branch on values), so a
+whole decode step can run under ``torch.compile(fullgraph=True)`` and inside a CUDA graph.
+
+Vocabularies are reduced on purpose (4096 for the real-shape presets): the weights are random, and on the 2-core
+CPU an lm_head of 32000 x 4096 costs ~240 ms per decode step at batch 32 (more than every attention layer of
+the step together), which would hide the backends' difference behind one GEMM that all of them share.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AttnFn(Protocol):
+    """The attention a model calls per layer (chosen by the backend for this step).
+
+    q: [n, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] -> [n, Hq, Dv].
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of one reference model. ``kind`` is ``"llama"`` (MHA/GQA) or ``"deepseek"`` (MLA).
+
+    intermediate: SwiGLU width; used only when ``mlp`` is True (the benchmark leaves it off by default: the MLP
+    is the same dense GEMMs in every backend, 30 s per layer of a batch-32 prefill on the 2-core CPU).
+    max_context: the context limit (the bench refuses ``input_len + output_len`` beyond it).
+    MLA fields (deepseek only): kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim.
+    """
+
+    name: str
+    kind: str
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    num_layers: int = 2
+    mlp: bool = False
+    max_context: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Llama-3-8B attention/MLP shapes; vocab 4096 instead of 128256 (see the module doc).
+    "llama-3-8b": ModelConfig("llama-3-8b", "llama", hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                              intermediate=14336, vocab=4096, max_context=8192, rope_theta=500000.0),
+    "tiny-llama": ModelConfig("tiny-llama", "llama", hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                              intermediate=128, vocab=256, max_context=1024),
+    # DeepSeek-V2-Lite attention shapes (no q-LoRA); its first layer's dense MLP width; vocab 4096.
+    "deepseek-v2-lite": ModelConfig("deepseek-v2-lite", "deepseek", hidden=2048, num_heads=16, num_kv_heads=1,
+                                    head_dim=192, intermediate=10944, vocab=4096, max_context=8192,
+                                    kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128),
+    "tiny-deepseek": ModelConfig("tiny-deepseek", "deepseek", hidden=64, num_heads=4, num_kv_heads=1,
+                                 head_dim=24, intermediate=128, vocab=256, max_context=1024,
+                                 kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16),
+}
+
+
+def get_config(name: str, *, layers: int | None = None, mlp: bool | None = None) -> ModelConfig:
+    """A preset by name, with the layer count and MLP switch overridden when given."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        cfg = cfg.replace(num_layers=layers)
+    if mlp is not None:
+        cfg = cfg.replace(mlp=mlp)
+    return cfg
+
+
+# ---- seeded weights ----
+
+class WeightInit:
+    """Draws every weight from one seeded CPU generator (same weights on every device and dtype)."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def normal(self, *shape: int, std: float) -> nn.Parameter:
+        w = torch.empty(shape).normal_(0.0, std, generator=self.gen)
+        return nn.Parameter(w, requires_grad=False)
+
+    def linear(self, out_features: int, in_features: int) -> nn.Parameter:
+        """``[out, in]``, std 1/sqrt(in): unit-scale inputs give unit-scale outputs."""
+        return self.normal(out_features, in_features, std=in_features ** -0.5)
+
+    def norm(self, dim: int) -> nn.Parameter:
+        """RMSNorm gain around 1 (not exactly 1, so a wrong normalisation axis shows)."""
+        w = 1.0 + 0.1 * torch.empty(dim).normal_(generator=self.gen)
+        return nn.Parameter(w, requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32, returned in x.dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form) of ``dim`` channels, from a positions tensor."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.dim, self.theta = dim, theta
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [n] int64 -> cos, sin: [n, 1, dim] float32 (broadcast over heads).
+
+        The frequencies are recomputed per call (dim/2 values) rather than kept as a buffer, so ``model.to(bf16)``
+        never rounds them."""
+        exponent = torch.arange(0, self.dim, 2, device=positions.device, dtype=torch.float32) / self.dim
+        inv_freq = torch.pow(self.theta, -exponent)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [n, H, dim] -> rotated, in x.dtype (computed in float32)."""
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, init: WeightInit):
+        super().__init__()
+        self.gate_up = init.linear(2 * intermediate, hidden)  # gate and up fused: one GEMM
+        self.down = init.linear(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class DecoderBase(nn.Module):
+    """Embedding, per-layer norms, optional MLPs, final norm and lm_head; subclasses add the attention.
+
+    Subclasses implement ``attention(layer, h, positions, out_loc, caches, attn, mode, kv_slots)`` and the cache
+    layout (``make_caches``, ``decode_attn_spec``, ``extend_attn_spec``).
+    """
+
+    def __init__(self, cfg: ModelConfig, init: WeightInit):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = init.normal(cfg.vocab, cfg.hidden, std=1.0)
+        self.attn_norm = nn.ParameterList([init.norm(cfg.hidden) for _ in range(cfg.num_layers)])
+        self.mlp_norm = nn.ParameterList([init.norm(cfg.hidden) for _ in range(cfg.num_layers)])
+        self.mlps = nn.ModuleList([SwiGLU(cfg.hidden, cfg.intermediate, init) for _ in range(cfg.num_layers)]
+                                  if cfg.mlp else [])
+        self.final_norm = init.norm(cfg.hidden)
+        self.lm_head = init.linear(cfg.vocab, cfg.hidden)
+
+    def attention(self, layer, h, positions, out_loc, caches, attn, mode, kv_slots):  # pragma: no cover
+        raise NotImplementedError
+
+    def _forward(self, tokens, positions, out_loc, caches, attn: AttnFn, mode: str, kv_slots=None,
+                 logits_idx=None) -> torch.Tensor:
+        x = F.embedding(tokens, self.embed)
+        for layer in range(self.cfg.num_layers):
+            h = rms_norm(x, self.attn_norm[layer], self.cfg.rms_eps)
+            x = x + self.attention(layer, h, positions, out_loc, caches, attn, mode, kv_slots)
+            if self.cfg.mlp:
+                x = x + self.mlps[layer](rms_norm(x, self.mlp_norm[layer], self.cfg.rms_eps))
+        if logits_idx is not None:
+            x = x.index_select(0, logits_idx)
+        return F.linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+               caches: dict[str, torch.Tensor], attn: AttnFn) -> torch.Tensor:
+        """One new token per request. tokens, positions, out_loc: [bs] int64 -> logits [bs, vocab] float32.
+
+        Writes each layer's new K/V at ``out_loc`` before attending (the plan's ranges include the new token).
+        """
+        return self._forward(tokens, positions, out_loc, caches, attn, "decode")
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+               caches: dict[str, torch.Tensor], attn: AttnFn, logits_idx: torch.Tensor,
+               kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill of packed new tokens. tokens, positions, out_loc: [num_tokens] int64; logits_idx: [bs] rows
+        whose logits are returned (each request's last token) -> [bs, vocab] float32. ``kv_slots``: [n] every
+        slot the batch reads (prefix and new tokens; MLA decompresses these)."""
+        return self._forward(tokens, positions, out_loc, caches, attn, "extend", kv_slots, logits_idx)
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> DecoderBase:
+    """The model of ``cfg.kind`` with seeded random weights, on ``device`` in ``dtype``, grad off."""
+    from .deepseek import DeepSeekMLA
+    from .llama import Llama
+
+    cls: Callable[..., DecoderBase] = {"llama": Llama, "deepseek": DeepSeekMLA}[cfg.kind]
+    model = cls(cfg, WeightInit(seed))
+    model = model.to(device=device, dtype=dtype)
+    return model.eval().requires_grad_(False)
