@@ -130,7 +130,7 @@ def merge_blocks(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, block_req: t
     m, l, o = m.contiguous(), l.contiguous(), o.contiguous()
     lowest = torch.finfo(torch.float32).min
     m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
-    m_req = m_req.index_reduce(0, block_req, m, "amax")
+    m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
     w = torch.exp(m - m_req.index_select(0, block_req))
     acc = torch.zeros((rows, *o.shape[1:]), device=o.device, dtype=o.dtype).index_add_(0, block_req, (o * w[..., None]).contiguous())
     den = torch.zeros((rows, *l.shape[1:]), device=l.device, dtype=l.dtype).index_add_(0, block_req, l * w)

@@ -109,6 +109,31 @@ class Engine:
         self._lens = list(prompt_lens)
         return PrefillResult(self._tokens.clone(), latency, total, logits if keep_logits else None)
 
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """[bs] int64 request rows of the admitted batch (None when none is admitted)."""
+        return self._rows
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens per admitted request so far (prompt + decoded)."""
+        return list(self._lens)
+
+    def next_decode_batch(self) -> DecodeBatch:
+        """Host bookkeeping of one decode step: allocate each request's new slot, append it to ``req_to_token``
+        at position ``seq_len``, and return the step's ``DecodeBatch`` (inputs: the last greedy tokens)."""
+        if self._rows is None:
+            raise RuntimeError("no batch admitted")
+        if max(self._lens) >= self.max_context:
+            raise ValueError(f"a request reached max_context={self.max_context}")
+        dev = self.device
+        positions = torch.tensor(self._lens, dtype=torch.int64, device=dev)
+        loc = self.allocator.alloc(len(self._lens))
+        self._slots.append(loc)
+        self.table.req_to_token[self._rows, positions] = loc.to(torch.int32)
+        self._lens = [n + 1 for n in self._lens]
+        return DecodeBatch(self._rows, positions + 1, self._tokens, positions, loc, list(self._lens))
+
     @torch.no_grad()
     def decode(self, steps: int, *, keep_logits: bool = False) -> DecodeResult:
         """``steps`` greedy steps; each appends its new token's slot to ``req_to_token`` before running."""
@@ -117,30 +142,23 @@ class Engine:
         if max(self._lens) + steps > self.max_context:
             raise ValueError(f"{steps} steps would pass max_context={self.max_context} "
                              f"(longest request has {max(self._lens)} tokens)")
-        bs, dev = len(self._lens), self.device
-        seq_lens = torch.tensor(self._lens, dtype=torch.int64, device=dev)
+        bs = len(self._lens)
         out, latencies, buckets, all_logits = [], [], [], []
         for _ in range(steps):
             self._sync()
             t0 = time.perf_counter()
-            self._lens = [n + 1 for n in self._lens]
-            bucket = self.backend.bucket_of(self._lens)
+            bucket = self.backend.bucket_of([n + 1 for n in self._lens])
             with prange("decode_step", bs=bs, bucket=bucket):
-                loc = self.allocator.alloc(bs)
-                self._slots.append(loc)
-                positions = seq_lens
-                self.table.req_to_token[self._rows, positions] = loc.to(torch.int32)
-                seq_lens = seq_lens + 1
-                batch = DecodeBatch(self._rows, seq_lens, self._tokens, positions, loc, self._lens)
-                logits, self._tokens = self.backend.decode(self.model, self.persistent, batch)
-                self._tokens = self._tokens.clone()  # graph outputs are overwritten by the next replay
+                batch = self.next_decode_batch()
+                logits, tokens = self.backend.decode(self.model, self.persistent, batch)
+                self._tokens = tokens.clone()  # graph outputs are overwritten by the next replay
             self._sync()
             latencies.append(time.perf_counter() - t0)
             buckets.append(bucket)
             out.append(self._tokens)
             if keep_logits:
                 all_logits.append(logits.clone())
-        tokens = torch.stack(out, 1) if out else torch.zeros(bs, 0, dtype=torch.int64, device=dev)
+        tokens = torch.stack(out, 1) if out else torch.zeros(bs, 0, dtype=torch.int64, device=self.device)
         return DecodeResult(tokens, latencies, buckets, all_logits)
 
     def release(self) -> None:

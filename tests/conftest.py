@@ -1,3 +1,7 @@
+# Before anything imports sglang: on a CPU torch, torchvision (which SGLang imports) needs its op schemas declared
+# first (tests/sglang_harness.py). Importing the harness is cheap and does not import sglang.
+import sglang_harness  # noqa: F401,I001
+
 import pytest
 import torch
 

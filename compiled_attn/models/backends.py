@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters
 
 from profiling import range as prange
 
@@ -71,14 +72,14 @@ class LoopBackend:
         return "eager"
 
     def extend_attn(self, model, caches, req_to_token, batch: ExtendBatch) -> AttnFn:
-        def attn(layer, q, k_cache, v_cache, scale):
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
                 return loop_extend(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens,
                                    batch.prefix_lens, batch.ext_lens, scale=scale)
         return attn
 
     def decode_attn(self, model, caches, req_to_token, batch: DecodeBatch) -> AttnFn:
-        def attn(layer, q, k_cache, v_cache, scale):
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
                 return loop_decode(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens, scale=scale)
         return attn
@@ -106,7 +107,7 @@ class StaticBackend(LoopBackend):
                                batch.ext_lens)
             index = extend_index(req_to_token, meta)
 
-        def attn(layer, q, k_cache, v_cache, scale):
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
                 return extend_padded(q, k_cache, v_cache, index, scale)
         return attn
@@ -119,9 +120,9 @@ class StaticBackend(LoopBackend):
                                batch.seq_lens, block_size=self.block_size)
             index = decode_index(req_to_token, meta)
 
-        def attn(layer, q, k_cache, v_cache, scale):
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
-                return decode_blocks(q, k_cache, v_cache, index, scale)
+                return decode_blocks(q, k_cache, v_cache, index, scale, v_shares_k=v_shares_k)
         return attn
 
 
@@ -137,8 +138,8 @@ def make_decode_step(model: DecoderBase):
         index = build_decode_index(persistent["req_to_token"], inputs["req_rows"], inputs["kv_lo"],
                                    inputs["kv_hi"], inputs["block_ids"], inputs["block_offsets"])
 
-        def attn(layer, q, k_cache, v_cache, scale):
-            return decode_blocks(q, k_cache, v_cache, index, scale)
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
+            return decode_blocks(q, k_cache, v_cache, index, scale, v_shares_k=v_shares_k)
 
         logits = model.decode(inputs["tokens"], inputs["positions"], inputs["out_loc"], persistent, attn)
         return logits, logits.argmax(-1)
@@ -169,9 +170,14 @@ class CompiledBackend(StaticBackend):
         t0 = time.perf_counter()
         timings = self.graphs.warmup(persistent)
         total = time.perf_counter() - t0
+        self._graphs_after_warmup = counters["stats"]["unique_graphs"]
         return {"warmup_s": total, "buckets": len(timings),
                 "compile_s": max((t.get("compile_s", 0.0) for t in timings.values()), default=0.0),
                 "keys": [list(k) for k in timings]}
+
+    def compiles_since_warmup(self) -> int:
+        """Graphs dynamo compiled (in this process) since the warm-up ended; 0 is what warm-up promises."""
+        return counters["stats"]["unique_graphs"] - self._graphs_after_warmup
 
     def bucket_of(self, seq_lens_host: list[int]) -> str:
         policy, block = self.graphs.policy, self.config.block_size

@@ -22,10 +22,11 @@ class AttnFn(Protocol):
     """The attention a model calls per layer (chosen by the backend for this step).
 
     q: [n, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] -> [n, Hq, Dv].
+    v_shares_k: V is the first Dv columns of K (MLA's latent cache), so K can be gathered once.
     """
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scale: float) -> torch.Tensor: ...
+                 scale: float, v_shares_k: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class DeepSeekMLA(DecoderBase):
         rank = self.cfg.kv_lora_rank
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk[layer]).transpose(0, 1)  # [n, H, rank]
         q = torch.cat([q_latent, q_pe], dim=-1)  # [n, H, rank + rope]
-        o_latent = attn(layer, q, kv_cache, kv_cache[..., :rank], self.scale)  # [n, H, rank]
+        o_latent = attn(layer, q, kv_cache, kv_cache[..., :rank], self.scale, v_shares_k=True)  # [n, H, rank]
         return torch.bmm(o_latent.transpose(0, 1), self.w_uv_t[layer]).transpose(0, 1)  # [n, H, v]
 
     def _normal(self, layer, q_nope, q_pe, kv_cache, caches, attn: AttnFn, kv_slots) -> torch.Tensor:
