@@ -1,0 +1,288 @@
+"""``compiled-attn bench``: SGLang ``bench_one_batch``-style latency of a reference model, per batch size and per
+attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; ``static``: ours, eager;
+``compiled``: ours, torch.compile + bucketed graphs, warmed before the first request), side by side.
+
+Per batch size it prints prefill latency and throughput, every decode step's latency (the first one marked),
+the median decode latency and throughput, and the total; then one table of backend x batch size, and a
+self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not).
+
+The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
+all three backends) takes about 1.5-2.5 minutes on a 2-core CPU. ``--output-len`` counts generated tokens as
+SGLang does: the prefill yields the first, then ``output_len - 1`` decode steps.
+
+``--enable-torch-compile`` is on by default for ``compiled`` (``--no-enable-torch-compile`` turns it off: the
+bucketed step then runs eager on static buffers / CUDA graphs of the eager step).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import torch
+
+import profiling
+from profiling.timers import median
+
+from .bench_report import agreement, format_batch_report, format_side_by_side, write_plot
+from .engine import Engine
+from .graph_decode import GraphConfig
+from .models import PRESETS, build_model, get_config
+from .models.backends import BACKENDS, make_backend
+
+PROG = "compiled-attn bench"
+
+
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"{PROG}: {msg}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gives one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", choices=list(PRESETS))
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2, CPU-sized)")
+    p.add_argument("--mlp", action="store_true",
+                   help="include the SwiGLU MLPs (off by default: the same dense GEMMs in every backend)")
+    p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=8, help="generated tokens (prefill's + decode steps)")
+    p.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the compiled backend's decode step (default: on)")
+    p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None,
+                   help="batch-size buckets (default: SGLang's list up to the largest --batch-size)")
+    p.add_argument("--torch-compile-max-bs", type=int, default=32)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of median/first decode (needs matplotlib)")
+    p.add_argument("--enable-nvtx", action="store_true", help="turn profiling ranges (NVTX + record_function) on")
+    p.add_argument("--profile", default="none", choices=["none", "torch"])
+    p.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace of the decode steps (--profile torch)")
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="CPU: keep glibc's default of returning large buffers to the OS (see README)")
+    p.add_argument("--quiet", action="store_true", help="no warm-up progress bar")
+    args = p.parse_args(argv)
+    _validate(p, args)
+    return args
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    cfg = PRESETS[args.model]
+    for name, values in (("--batch-size", args.batch_size), ("--cuda-graph-bs", args.cuda_graph_bs or [1])):
+        if any(v < 1 for v in values):
+            p.error(f"{name} values must be >= 1, got {values}")
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1, got {args.layers}")
+    if args.input_len < 1:
+        p.error(f"--input-len must be >= 1, got {args.input_len}")
+    if args.output_len < 2:
+        p.error(f"--output-len must be >= 2 (the prefill's token plus at least one decode step), "
+                f"got {args.output_len}")
+    if args.input_len + args.output_len > cfg.max_context:
+        p.error(f"--input-len + --output-len = {args.input_len + args.output_len} exceeds the context limit "
+                f"of {args.model} ({cfg.max_context})")
+    if args.torch_compile_max_bs < 1:
+        p.error(f"--torch-compile-max-bs must be >= 1, got {args.torch_compile_max_bs}")
+    if args.trace and args.profile != "torch":
+        p.error("--trace needs --profile torch")
+    if args.profile == "torch" and not args.trace:
+        p.error("--profile torch needs --trace PATH")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install 'compiled-attn[plot]')")
+    if len(set(args.backend)) != len(args.backend):
+        p.error(f"--backend lists a backend twice: {args.backend}")
+    args.batch_size = list(dict.fromkeys(args.batch_size))
+
+
+def _device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise _fail(f"bad --device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _fail("--device cuda, but no CUDA device is available (this torch: "
+                    f"{torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise _fail(f"--device must be cpu or cuda, got {name!r}")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    return device, dtype
+
+
+def tune_malloc() -> bool:
+    """CPU, glibc: keep freed buffers in the heap (no mmap for large blocks, no trimming).
+
+    glibc serves blocks over its mmap threshold with fresh mmaps and unmaps them on free, so every step of a
+    batched op page-faults its multi-MB scratch afresh; on this project's VMs that made step latencies swing
+    5-10x between runs. jemalloc/tcmalloc via LD_PRELOAD do the same job. Returns whether it was applied.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        # mallopt takes a C int: 2**31 - 1 (2 GiB) is the largest trim threshold it can be given
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+class CpuShare:
+    """Share of the machine's CPU time used by *other* processes during a measurement (Linux ``/proc``; None
+    elsewhere). On a shared machine this says whether a latency is the code's or a neighbour's."""
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+            busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+            return busy, int(own[11]) + int(own[12]), time.monotonic()  # utime + stime (all threads)
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def others(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        if end[2] - self._start[2] < 50 / hz:  # too short for the kernel's tick counters to say anything
+            return None
+        total = (end[2] - self._start[2]) * hz * (os.cpu_count() or 1)
+        other = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        return max(0.0, other / total) if total > 0 else None
+
+
+def graph_config(args, max_context: int, device: torch.device) -> GraphConfig:
+    max_bs = max(args.batch_size + (args.cuda_graph_bs or []))
+    block = 64
+    per_request = -(-max_context // block) * block
+    return GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * per_request,
+                       enable_torch_compile=args.enable_torch_compile,
+                       torch_compile_max_bs=args.torch_compile_max_bs, cuda_graph_bs=args.cuda_graph_bs,
+                       disable_cuda_graph=args.disable_cuda_graph, block_size=block, progress=not args.quiet)
+
+
+def run_backend(name: str, model, args, device, profiler=None) -> dict:
+    max_context = args.input_len + args.output_len
+    backend = make_backend(name, graph_config(args, max_context, device))
+    t0 = time.perf_counter()
+    engine = Engine(model, backend, max_batch=max(args.batch_size), max_context=max_context, seed=args.seed)
+    setup = {"setup_s": time.perf_counter() - t0, **engine.setup_info}
+    out = {"label": backend.label, "setup": setup, "results": {}}
+    if name == "compiled":
+        g = engine.backend.graphs
+        print(f"[{name}] warm-up before the first request: {setup['warmup_s']:.1f} s for {setup['buckets']} "
+              f"buckets (batch {list(g.policy.batch_sizes)} x kv tokens {list(g.policy.kv_capacities)}; "
+              f"largest first compile {setup['compile_s']:.1f} s)", flush=True)
+    for bs in args.batch_size:
+        share = CpuShare()
+        prefill = engine.admit([args.input_len] * bs, seed=args.seed + bs)
+        if profiler is not None:
+            profiler.toggle_collection_dynamic(True, [torch.profiler.ProfilerActivity.CPU])
+        decode = engine.decode(args.output_len - 1)
+        if profiler is not None:
+            profiler.toggle_collection_dynamic(False, [torch.profiler.ProfilerActivity.CPU])
+        engine.release()
+        res = _summarise(bs, args, prefill, decode)
+        res["cpu_share_of_other_processes"] = share.others()
+        out["results"][bs] = res
+        print(format_batch_report(name, backend.label, res), flush=True)
+    if name == "compiled":
+        out["setup"]["graph_stats"] = [vars(s) for s in engine.backend.graphs.stats]
+        out["setup"]["compiles_after_warmup"] = engine.backend.compiles_since_warmup()
+    del engine
+    return out
+
+
+def _summarise(bs: int, args, prefill, decode) -> dict:
+    lat = decode.latencies_s
+    med = median(lat)
+    total = prefill.latency_s + sum(lat)
+    tokens = torch.cat([prefill.tokens[:, None], decode.tokens], 1)
+    return {
+        "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
+        "prefill_latency_s": prefill.latency_s,
+        "prefill_throughput_tok_s": bs * args.input_len / prefill.latency_s,
+        "decode_latencies_s": lat, "decode_buckets": decode.buckets,
+        "first_decode_s": lat[0], "median_decode_s": med,
+        "median_decode_throughput_tok_s": bs / med,
+        "first_over_median": lat[0] / med,
+        "total_latency_s": total,
+        "total_throughput_tok_s": bs * (args.input_len + args.output_len) / total,
+        "tokens": tokens.cpu().tolist(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device, dtype = _device_and_dtype(args)
+    start = time.perf_counter()
+    malloc = device.type == "cpu" and not args.no_malloc_tuning and tune_malloc()
+    profiling.set_enabled(args.enable_nvtx or args.profile == "torch")
+    torch.manual_seed(args.seed)
+    cfg = get_config(args.model, layers=args.layers, mlp=args.mlp)
+    model = build_model(cfg, seed=args.seed, dtype=dtype, device=device)
+    print(f"{PROG}: {cfg.name} ({cfg.kind}, {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.num_heads} q / "
+          f"{cfg.num_kv_heads} kv heads, vocab {cfg.vocab}, mlp {'on' if cfg.mlp else 'off'}) on {device} "
+          f"{str(dtype).replace('torch.', '')}, threads {torch.get_num_threads()}, "
+          f"malloc tuning {'on' if malloc else 'off'}", flush=True)
+    profiler = None
+    if args.profile == "torch":
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
+                                             else []))
+        profiler.start()
+        profiler.toggle_collection_dynamic(False, [torch.profiler.ProfilerActivity.CPU])
+    results = {}
+    for name in args.backend:
+        results[name] = run_backend(name, model, args, device, profiler)
+    if profiler is not None:
+        profiler.stop()
+        profiler.export_chrome_trace(args.trace)
+        print(f"torch.profiler trace of the decode steps: {args.trace}")
+    print(format_side_by_side(results, args.batch_size))
+    check = agreement(results, args.batch_size)
+    strict = dtype == torch.float32
+    print(check["line"] + ("" if strict or check["ok"] else " (not fp32: reported, not enforced)"))
+    wall = time.perf_counter() - start
+    print(f"wall time: {wall:.1f} s")
+    report = {"config": {**{k: v for k, v in vars(args).items()}, "device": str(device),
+                         "dtype": str(dtype).replace("torch.", ""), "malloc_tuning": malloc,
+                         "model_config": vars(cfg).copy(), "threads": torch.get_num_threads(),
+                         "torch": torch.__version__},
+              "backends": results, "token_agreement": check, "wall_s": wall}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    if args.plot:
+        write_plot(results, args.batch_size, args.plot)
+        print(f"plot: {args.plot}")
+    return 0 if check["ok"] or not strict else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""``python -m compiled_attn.bench_sglang``: our SGLang backend vs SGLang's own ``torch_native``, same ForwardBatches.
+
+Per case, one attention layer through SGLang's ``RadixAttention`` (K/V write included), the way ``ModelRunner``
+drives it: metadata for the forward, then the layer. Columns (milliseconds; medians over rounds that call each
+column once, so load from other processes hits every column alike):
+
+- ``torch_native``: SGLang's ``TorchNativeAttnBackend`` (``init_forward_metadata`` + layer).
+- ``eager``: ours without graph state (exact-size plan + index + layer).
+- ``compiled`` (decode only): what SGLang's graph runners run: the out-of-graph checks and the in-graph metadata
+  (static buffers, block capacity per batch size) eagerly, then ``forward_decode`` compiled through
+  ``compile_step`` (this project's policy, ``dynamic=True``); ``static``: the same with ``dynamic=False``, as
+  SGLang's ``CPUGraphRunner`` compiles the model. ``blocks`` = KV blocks the batch needs / the capacity the graph
+  computes over. ``compile_s``: first call (inductor's caches make a second run of the script fast).
+
+Decode: each request has a context of 768..1280 tokens (mean ~1024). Extend: 256 new tokens on a 768-token cached
+prefix (chunked prefill). MHA: 32 q heads, 8 KV heads, head dim 128; MLA (absorbed): 16 heads, 576/512.
+Needs SGLang installed (see requirements-sglang*.txt); imports ``tests/sglang_harness.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from profiling.timers import format_table, median
+
+from .compile_policy import compile_step
+
+MAX_CONTEXT = 1280
+
+
+def _harness():
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import sglang_harness  # noqa: PLC0415 - applies the torchvision fix-up before sglang is imported
+
+    sglang_harness.ensure_sglang_importable()
+    return sglang_harness
+
+
+def _time_interleaved(fns: dict, *, iters: int, budget_s: float) -> dict:
+    """Median seconds per call of each ``fns[name]()``, timed in interleaved rounds (one call of each per round)
+    so load from other processes hits every column alike; one warm-up round, then at least 3 and at most
+    ``iters`` rounds, fewer when a round is slow (about ``budget_s`` in all)."""
+    first = 0.0
+    for fn in fns.values():
+        start = time.perf_counter()
+        fn()
+        first += time.perf_counter() - start
+    rounds = max(3, min(iters, int(budget_s / max(first, 1e-6))))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: median(t) for name, t in times.items()}
+
+
+def _geometries(H):
+    return {"mha": H.gqa(num_heads=32, num_kv_heads=8, head_dim=128, name="mha"), "mla": H.mla_absorbed(num_heads=16)}
+
+
+def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: float, seed: int = 0) -> dict:
+    from compiled_attn.sglang_backend import CompiledAttnBackend
+
+    sg = H.import_sglang()
+    g = _geometries(H)[geom_name]
+    gen = torch.Generator().manual_seed(seed + bs)
+    lens = torch.randint(768, MAX_CONTEXT + 1, (bs,), generator=gen).tolist()
+
+    def setup():
+        mr = H.make_model_runner(g, max_num_reqs=bs + 1, max_context_len=MAX_CONTEXT,
+                                 pool_size=bs * MAX_CONTEXT + 16, seed=seed)
+        batch = (H.make_decode_batch(mr, lens) if mode == "decode"
+                 else H.make_extend_batch(mr, [256] * bs, [768] * bs))
+        return mr, batch
+
+    layer = H.make_layer(g)
+    row = {"case": f"{geom_name} {mode} bs={bs}"}
+
+    def layer_fn(backend, batch):
+        return lambda: H.run_sglang_layer(backend, layer, batch.forward_batch, batch.q, batch.k, batch.v)
+
+    fns = {}
+    mr, batch = setup()
+    fns["torch_native"] = layer_fn(H.make_backend(mr), batch)
+    mr, batch = setup()
+    fns["eager"] = layer_fn(CompiledAttnBackend(mr), batch)
+    if mode == "decode":
+        mr, batch = setup()
+        backend = CompiledAttnBackend(mr)
+        backend.init_cuda_graph_state(bs, bs)
+        fb = batch.forward_batch
+        k = batch.k.view(bs, g.num_kv_heads, g.head_dim)
+        v = batch.v.view(bs, g.num_kv_heads, g.v_head_dim)
+
+        def compiled_fn(dynamic):
+            step = compile_step(lambda q, k, v, fb: backend.forward_decode(q, k, v, layer, fb), dynamic=dynamic)
+
+            def run():
+                with H.parallel_scope():
+                    backend.init_forward_metadata_out_graph(fb)
+                    backend.init_forward_metadata_in_graph(fb)
+                    with sg.forward_context(sg.ForwardContext(attn_backend=backend), forward_batch=fb):
+                        return step(batch.q, k, v, fb)
+
+            return run
+
+        for name, dynamic in (("compiled", True), ("static", False)):
+            fns[name] = compiled_fn(dynamic)
+            start = time.perf_counter()
+            fns[name]()
+            row[f"{name} compile_s"] = time.perf_counter() - start
+        needed = sum(-(-n // backend.block_size) for n in lens)
+        row["blocks"] = f"{needed}/{backend.graph_block_capacity(bs)}"
+    row.update({name: t * 1e3 for name, t in _time_interleaved(fns, iters=iters, budget_s=budget_s).items()})
+    row["x eager"] = row["torch_native"] / row["eager"]
+    for name in ("compiled", "static"):
+        if name in row:
+            row[f"x {name}"] = row["torch_native"] / row[name]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m compiled_attn.bench_sglang", description=__doc__.split("\n\n")[0])
+    p.add_argument("--geometries", nargs="+", default=["mha", "mla"], choices=["mha", "mla"])
+    p.add_argument("--modes", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--iters", type=int, default=20, help="most timed calls per measurement (at least 3)")
+    p.add_argument("--budget-s", type=float, default=6.0, help="about this long per case")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        H = _harness()
+        H.import_sglang()
+    except ImportError as e:
+        print(f"bench_sglang: SGLang is not importable here ({e}); install requirements-sglang*.txt",
+              file=sys.stderr)
+        return 1
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, one layer per step "
+          f"(metadata + K/V write + attention); times in ms", flush=True)
+    rows = []
+    for geom in args.geometries:
+        for mode in args.modes:
+            for bs in args.batch_sizes:
+                try:
+                    rows.append(bench_case(H, geom, mode, bs, iters=args.iters, budget_s=args.budget_s))
+                except Exception as e:  # noqa: BLE001 - report the case and go on with the others
+                    rows.append({"case": f"{geom} {mode} bs={bs}", "blocks": f"error: {type(e).__name__}: {e}"})
+                print(format_table([rows[-1]], COLUMNS, precision=2).splitlines()[-1], flush=True)
+    print()
+    print(format_table(rows, COLUMNS, precision=2))
+    return 0
+
+
+COLUMNS = ["case", "torch_native", "eager", "compiled", "static", "x eager", "x compiled", "x static", "blocks",
+           "compiled compile_s", "static compile_s"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""SGLang 0.5.23 attention backend ``compiled_attn``: our static-shape functions behind SGLang's ``AttentionBackend``.
+
+A drop-in for SGLang's ``torch_native`` backend (same inputs, same outputs, same KV-pool writes) that batches
+requests instead of looping over them and can be graph-captured, so SGLang's decode graph runners (CUDA graphs;
+on CPU, ``CPUGraphRunner``'s ``torch.compile`` of the model) work with it. Selected by
+``--attention-backend compiled_attn`` once the plugin (``compiled_attn.sglang_plugin``) is loaded.
+
+Per forward, ``init_forward_metadata`` records the batch; the host-side plan (``plan_decode`` / ``plan_extend``)
+and the per-step index (``build_decode_index`` / ``extend_index``) are built once per *layer configuration*
+``(sliding window, cross-attention, causal)`` on its first layer and shared by every later layer of that forward.
+
+Graphs (decode only, as SGLang captures only decode): SGLang keys a graph by batch size alone, so the KV work a
+graph does is fixed when it is captured. Each batch size ``bs`` gets a block capacity (blocks of ``block_size``
+KV tokens; the flat list of all requests' blocks is what ``decode_blocks`` computes over)::
+
+    capacity(bs) = min(bs * ceil(max_context_len / block_size),         # every request at full context
+                       ceil(kv_tokens / block_size) + bs)               # the pool's tokens, + one partial block/row
+
+``kv_tokens`` is the KV pool's size (the sum of a batch's lengths can't exceed the pool's slots, except when
+requests share a radix-cached prefix: the same slots then count once per request), or the environment variable
+``COMPILED_ATTN_GRAPH_KV_TOKENS``. The trade-off: unused blocks read the padding slot 0 (cheap, cached) and are
+masked, but still cost their share of compute in every replay. A large pool with short requests therefore pays for
+the capacity, not for the real lengths: lower ``COMPILED_ATTN_GRAPH_KV_TOKENS`` to the most KV tokens a decode batch
+really reads; a batch beyond the capacity then raises a ``ValueError`` naming the variable (CUDA graphs) or runs
+with exact-size metadata (CPU graph runner: one more compile).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, Optional, Tuple
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from .api import decode_index, extend_index, v_is_prefix_of_k
+from .decode import DecodeIndex, build_decode_index, decode_blocks
+from .extend import ExtendIndex, extend_padded
+from .plan import DEFAULT_BLOCK_SIZE, plan_decode, plan_extend
+
+GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
+SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
+
+# (sliding window or None, is cross-attention); extend adds causal
+DecodeKey = Tuple[Optional[int], bool]
+ExtendKey = Tuple[Optional[int], bool, bool]
+
+
+def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int) -> int:
+    """KV blocks a decode graph of ``bs`` rows computes over (see the module docstring)."""
+    per_request = -(-max_context_len // block_size)
+    return max(1, min(bs * per_request, -(-kv_tokens // block_size) + bs))
+
+
+def _window(layer) -> Optional[int]:
+    w = getattr(layer, "sliding_window_size", -1)
+    return None if w is None or w < 0 else int(w)
+
+
+def _logit_cap(layer) -> Optional[float]:
+    cap = getattr(layer, "logit_cap", 0.0) or 0.0
+    if cap <= 0:
+        return None
+    method = getattr(layer, "logit_capping_method", "tanh")
+    if method != "tanh":
+        raise NotImplementedError(f"compiled_attn: logit_capping_method={method!r} is not supported (only 'tanh')")
+    return float(cap)
+
+
+@dataclass
+class _GraphState:
+    """Static buffers shared by every captured batch size (allocated by ``init_cuda_graph_state``)."""
+
+    max_bs: int
+    kv_tokens: int
+    req_rows: torch.Tensor  # [max_bs] int64
+    kv_lo: torch.Tensor  # [max_bs] int64
+    kv_hi: torch.Tensor  # [max_bs] int64
+    block_ids: torch.Tensor  # [capacity(max_bs)] int64 arange; a graph of bs rows reads [:capacity(bs)]
+    block_offsets: torch.Tensor  # [block_size] int64 arange
+
+
+@dataclass
+class _ForwardState:
+    """What one forward's layers share: the batch and the indices built so far, per layer configuration."""
+
+    forward_batch: object
+    static: bool  # decode metadata from the graph buffers (pure tensor code, capacity-shaped)
+    decode: Dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
+    extend: Dict[ExtendKey, Tuple[ExtendIndex, int]] = field(default_factory=dict)
+    inputs: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None  # static: rows, lens, enc
+
+
+class CompiledAttnBackend(AttentionBackend):
+    """SGLang attention backend over ``compiled_attn``'s batched decode/extend functions.
+
+    Supports MHA, GQA/MQA, ``qk_head_dim != v_head_dim`` (MLA "normal" 192/128 on an MHA pool, and on an MLA
+    pool with ``save_kv_cache=False``, attending over the batch's own K/V), absorbed MLA over
+    ``MLATokenToKVPool`` (576/512, V read as a view of K), sliding window, ``ENCODER_ONLY`` (non-causal),
+    cross-attention (``encoder_lens`` / ``encoder_out_cache_loc``) and tanh logit soft-capping
+    (``RadixAttention.logit_cap``; SGLang's ``torch_native`` ignores it).
+    """
+
+    def __init__(self, model_runner, *, block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        if type(self.token_to_kv_pool).__name__ == "SWAKVPool":
+            raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool) are not supported "
+                                      "yet; use --attention-backend triton or torch_native for this model")
+        self.block_size = block_size
+        self.forward_metadata: Optional[_ForwardState] = None
+        self.decode_keys: Dict[DecodeKey, None] = {(None, False): None}  # layer configurations seen (ordered set)
+        self.graph: Optional[_GraphState] = None
+        self._warned_fallback = False
+        pool = self.token_to_kv_pool
+        layer0 = getattr(pool, "start_layer", 0) or 0
+        try:  # MLA's latent pool: V is a view of K's first columns, so one gather serves both (host check, once)
+            self.v_shares_k = v_is_prefix_of_k(pool.get_key_buffer(layer0), pool.get_value_buffer(layer0))
+        except Exception:  # noqa: BLE001 - a pool we can't inspect just gathers V separately
+            self.v_shares_k = False
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def support_triton(self):
+        return False
+
+    # ------------------------------------------------------------------ metadata (eager)
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        _check_mode(mode)
+        if mode.is_decode() and self._fits_graph(forward_batch):
+            # graph-shaped metadata: what CPUGraphRunner's compiled forward was traced with (no recompile)
+            self.init_forward_metadata_in_graph(forward_batch)
+            return
+        self.forward_metadata = _ForwardState(forward_batch, static=False)
+
+    def _fits_graph(self, forward_batch) -> bool:
+        g = self.graph
+        if g is None or forward_batch.batch_size > g.max_bs:
+            return False
+        try:
+            self._check_capacity(forward_batch)
+        except ValueError as e:
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn(f"{e}; running this batch with exact-size metadata (a compiled step recompiles)")
+            return False
+        return True
+
+    def _state_for(self, forward_batch) -> _ForwardState:
+        state = self.forward_metadata
+        if state is None or (not state.static and state.forward_batch is not forward_batch):
+            state = self.forward_metadata = _ForwardState(forward_batch, static=False)
+        return state
+
+    # ------------------------------------------------------------------ graph hooks
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Allocate the static metadata buffers for decode graphs of up to ``max_bs`` rows."""
+        env = os.environ.get(GRAPH_KV_TOKENS_ENV)
+        kv_tokens = int(env) if env else int(getattr(self.token_to_kv_pool, "size", 0) or self.req_to_token.numel())
+        if kv_tokens < 1:
+            raise ValueError(f"{GRAPH_KV_TOKENS_ENV} must be a positive number of KV tokens, got {env!r}")
+        nblk = self.graph_block_capacity(max_bs, kv_tokens)
+        z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.graph = _GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
+                                 torch.arange(self.block_size, device=self.device))
+
+    init_cpu_graph_state = init_cuda_graph_state
+
+    def graph_block_capacity(self, bs: int, kv_tokens: Optional[int] = None) -> int:
+        kv_tokens = kv_tokens if kv_tokens is not None else self.graph.kv_tokens
+        return graph_block_capacity(bs, max_context_len=self.req_to_token.shape[1], kv_tokens=kv_tokens,
+                                    block_size=self.block_size)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return SEQ_LEN_FILL_VALUE
+
+    get_cpu_graph_seq_len_fill_value = get_cuda_graph_seq_len_fill_value
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host-side checks before a decode graph's capture or replay (``forward_batch`` may be a view)."""
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is not None and not mode.is_decode():
+            raise NotImplementedError(f"compiled_attn: graphs are supported for decode only, got {mode!r}; "
+                                      "disable prefill graphs (--cuda-graph-backend-prefill disabled)")
+        if self.graph is None:
+            raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
+        self._check_capacity(forward_batch)
+
+    def _check_capacity(self, forward_batch) -> None:
+        g = self.graph
+        bs = getattr(forward_batch, "batch_size", None) or forward_batch.seq_lens.shape[0]
+        if bs > g.max_bs:
+            raise ValueError(f"compiled_attn: batch size {bs} exceeds the graph buffers' max_bs={g.max_bs}")
+        lens = _host(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
+        enc = getattr(forward_batch, "encoder_lens", None)
+        enc = _host(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
+        width, cap = self.req_to_token.shape[1], self.graph_block_capacity(bs)
+        hi = lens if enc is None else lens + enc
+        if hi.numel() and int(hi.max()) > width:
+            raise ValueError(f"compiled_attn: a request reaches position {int(hi.max())}, beyond the "
+                             f"req_to_token width {width} (max_context_len)")
+        for window, cross in self.decode_keys:
+            if cross:
+                n = enc if enc is not None else torch.zeros_like(lens)
+            else:
+                n = lens if window is None else lens.clamp_max(window + 1)
+            needed = int(((n + self.block_size - 1) // self.block_size).sum())
+            if needed > cap:
+                raise ValueError(
+                    f"compiled_attn: this decode batch (bs={bs}, {int(n.sum())} KV tokens) needs {needed} KV blocks "
+                    f"of {self.block_size}, more than the {cap} a graph of this batch size was captured with "
+                    f"(requests sharing a cached prefix count it once each). Raise {GRAPH_KV_TOKENS_ENV} "
+                    f"(now {g.kv_tokens} tokens) or lower --cuda-graph-max-bs")
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Graph-recordable: copy the batch's rows/ranges into the static buffers and build the block index of
+        every known layer configuration (pure tensor code, fixed shapes per batch size)."""
+        if self.graph is None:
+            raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
+        state = _ForwardState(forward_batch, static=True,
+                              inputs=(forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                      getattr(forward_batch, "encoder_lens", None)))
+        self.forward_metadata = state
+        for key in self.decode_keys:
+            state.decode[key] = self._static_decode_index(state, key)
+
+    def init_forward_metadata_capture_cpu_graph(self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
+                                                encoder_lens, forward_mode, spec_info):
+        """CPUGraphRunner's capture hook (it replays through ``init_forward_metadata``)."""
+        if spec_info is not None:
+            raise NotImplementedError("compiled_attn: speculative decoding is not supported yet")
+        fb = SimpleNamespace(batch_size=bs, forward_mode=forward_mode, req_pool_indices=req_pool_indices,
+                             seq_lens=seq_lens, seq_lens_cpu=None, encoder_lens=encoder_lens,
+                             out_cache_loc=out_cache_loc)
+        self.init_forward_metadata_out_graph(fb, in_capture=True)
+        self.init_forward_metadata_in_graph(fb)
+
+    def _static_decode_index(self, state: _ForwardState, key: DecodeKey) -> DecodeIndex:
+        g = self.graph
+        rows, lens, enc = state.inputs
+        bs = lens.shape[0]
+        lens = lens.to(torch.int64)
+        base = enc.to(torch.int64) if enc is not None else torch.zeros_like(lens)
+        window, cross = key
+        if cross:
+            lo, hi = torch.zeros_like(lens), base
+        else:
+            hi = base + lens
+            lo = base if window is None else base + (lens - 1 - window).clamp_min(0)
+        g.req_rows[:bs].copy_(rows)
+        g.kv_lo[:bs].copy_(lo)
+        g.kv_hi[:bs].copy_(hi)
+        return build_decode_index(self.req_to_token, g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs],
+                                  g.block_ids[: self.graph_block_capacity(bs)], g.block_offsets)
+
+    # ------------------------------------------------------------------ forward
+
+    def _write_kv(self, layer, forward_batch, k, v, save_kv_cache):
+        if save_kv_cache and k is not None and v is not None:
+            loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        _check_kwargs(kwargs)
+        self._write_kv(layer, forward_batch, k, v, save_kv_cache)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        cross = bool(layer.is_cross_attention)
+        key = (None if cross else _window(layer), cross)
+        state = self._state_for(forward_batch)
+        index = state.decode.get(key)
+        if index is None:
+            self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
+            if state.static:
+                index = self._static_decode_index(state, key)
+            else:
+                meta = plan_decode(q3, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
+                                   forward_batch.seq_lens, sliding_window=key[0],
+                                   encoder_lens=forward_batch.encoder_lens, is_cross_attn=cross,
+                                   block_size=self.block_size)
+                index = decode_index(self.req_to_token, meta)
+            state.decode[key] = index
+        o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, _logit_cap(layer), v_shares_k=self.v_shares_k)
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        _check_kwargs(kwargs)
+        self._write_kv(layer, forward_batch, k, v, save_kv_cache)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        cross = bool(layer.is_cross_attention)
+        causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
+        key = (_window(layer) if causal else None, cross, causal)
+        fb = forward_batch
+        if k_cache.shape[1:] != (layer.tp_k_head_num, layer.qk_head_dim):
+            # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
+            # save_kv_cache=False): attend over the batch's own K/V
+            return self._extend_over_given_kv(q3, k, v, layer, fb, key)
+        state = self._state_for(fb)
+        planned = state.extend.get(key)
+        if planned is None:
+            meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
+                               encoder_lens=fb.encoder_lens, is_cross_attn=cross)
+            planned = state.extend[key] = (extend_index(self.req_to_token, meta), meta.num_tokens)
+        index, num_tokens = planned
+        if num_tokens == 0:
+            return q.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
+        o = extend_padded(q3, k_cache, v_cache, index, layer.scaling, _logit_cap(layer))
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _extend_over_given_kv(self, q3, k, v, layer, fb, key):
+        if k is None or v is None or key[1]:
+            raise NotImplementedError(f"compiled_attn: layer {layer.layer_id}'s K shape "
+                                      f"({layer.tp_k_head_num}, {layer.qk_head_dim}) does not match the KV pool")
+        prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None), fb.extend_prefix_lens)
+        if prefix.numel() and int(prefix.max()) > 0:
+            raise NotImplementedError("compiled_attn: extend with a cached prefix over K/V that is not in the pool "
+                                      "(MLA chunked-prefix MHA) is not supported yet")
+        lens = _host(getattr(fb, "extend_seq_lens_cpu", None), fb.extend_seq_lens)
+        bs, width = lens.shape[0], max(int(lens.max()), 1) if lens.numel() else 1
+        starts = torch.cumsum(lens, 0) - lens
+        # a request-to-token table over the batch's packed tokens: request b's position j is token starts[b] + j
+        table = (starts[:, None] + torch.arange(width)[None, :]).clamp_max(max(q3.shape[0] - 1, 0))
+        table, lens_dev = table.to(torch.int32).to(q3.device), lens.to(q3.device)
+        k3 = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        v3 = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
+        meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
+                           lens_dev, causal=key[2], sliding_window=key[0])
+        if meta.num_tokens == 0:
+            return q3.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
+        o = extend_padded(q3, k3, v3, extend_index(table, meta), layer.scaling, _logit_cap(layer))
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _host(cpu_copy, tensor) -> torch.Tensor:
+    t = cpu_copy if cpu_copy is not None else tensor
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    return t.detach().to("cpu", torch.int64)
+
+
+def _check_mode(mode) -> None:
+    name = getattr(mode, "name", str(mode))
+    if name in ("TARGET_VERIFY", "DRAFT_EXTEND_V2", "DLLM_EXTEND"):
+        raise NotImplementedError(f"compiled_attn: forward mode {name} (speculative decoding / dLLM) is not "
+                                  "supported yet")
+
+
+def _check_kwargs(kwargs) -> None:
+    extra = sorted(name for name, value in kwargs.items() if value is not None)
+    if extra:
+        raise NotImplementedError(f"compiled_attn: attention arguments {extra} are not supported")

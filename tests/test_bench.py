@@ -1,0 +1,123 @@
+"""``compiled-attn bench`` on CPU: JSON fields, bad flags, the torch.profiler trace, and the bucketed latency check
+(the compiled backend's first decode after warm-up is within 1.5x of its median, per bucket)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compiled_attn import bench
+
+RESULT_FIELDS = {"batch_size", "input_len", "output_len", "prefill_latency_s", "prefill_throughput_tok_s",
+                 "decode_latencies_s", "decode_buckets", "first_decode_s", "median_decode_s",
+                 "median_decode_throughput_tok_s", "first_over_median", "total_latency_s", "total_throughput_tok_s",
+                 "tokens"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: robust on a shared 2-core machine (see tests/test_models.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(tmp_path, *argv):
+    path = tmp_path / "out.json"
+    rc = bench.main([*argv, "--json", str(path), "--quiet"])
+    return rc, json.loads(path.read_text())
+
+
+def test_json_has_every_field(tmp_path, capsys):
+    # compile off keeps this fast; the bucketed replay (static buffers per bucket) still runs
+    rc, out = _run(tmp_path, "--model", "tiny-llama", "--batch-size", "1", "3", "--input-len", "12",
+                   "--output-len", "5", "--cuda-graph-bs", "1", "4", "--no-enable-torch-compile")
+    assert rc == 0
+    assert set(out["backends"]) == {"loop", "static", "compiled"}
+    for name, res in out["backends"].items():
+        assert res["label"].startswith(name)
+        assert set(res["results"]) == {"1", "3"}
+        for bs, r in res["results"].items():
+            assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
+            assert len(r["decode_latencies_s"]) == 4  # output 5 = prefill's token + 4 decode steps
+            assert len(r["tokens"]) == int(bs) and all(len(t) == 5 for t in r["tokens"])
+            assert r["first_decode_s"] == r["decode_latencies_s"][0]
+    assert out["backends"]["compiled"]["results"]["3"]["decode_buckets"] == ["4x256"] * 4
+    assert out["backends"]["compiled"]["setup"]["buckets"] == 2
+    assert out["token_agreement"]["ok"] is True
+    assert out["config"]["dtype"] == "float32" and out["config"]["device"] == "cpu"
+    text = capsys.readouterr().out
+    assert "Prefill. latency:" in text and "Decode 0. (first)" in text and "median latency" in text
+    assert "side by side" in text and "decode_x_loop" in text
+    assert "token agreement: OK" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-70b"], "invalid choice"),
+    (["--batch-size", "0"], "--batch-size values must be >= 1"),
+    (["--input-len", "1020", "--model", "tiny-llama"], "exceeds the context limit"),
+    (["--output-len", "1"], "--output-len must be >= 2"),
+    (["--profile", "torch"], "needs --trace"),
+])
+def test_bad_flags_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_flag_no_traceback_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "compiled_attn.bench", "--model", "tiny-llama", "--batch-size",
+                           "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("compiled-attn bench: error: --batch-size")
+
+
+def test_plot_needs_matplotlib_one_clear_line(tmp_path, capsys):
+    argv = ["--model", "tiny-llama", "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--backend",
+            "loop", "--plot", str(tmp_path / "p.png"), "--quiet"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit) as exc:  # refused before any work, not after the run
+            bench.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert "--plot needs matplotlib" in err and len(err.splitlines()) == 1
+    else:
+        assert bench.main(argv) == 0 and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_torch_trace_has_decode_and_layer_ranges(tmp_path):
+    trace = tmp_path / "trace.json"
+    rc = bench.main(["--model", "tiny-llama", "--layers", "2", "--batch-size", "2", "--input-len", "6",
+                     "--output-len", "3", "--backend", "loop", "static", "--profile", "torch", "--trace",
+                     str(trace), "--quiet"])
+    assert rc == 0
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert "decode_step bs=2 bucket=eager" in names
+    assert {"attn layer=0", "attn layer=1"} <= names
+    assert any(n.startswith("plan") for n in names)
+    assert not any(n.startswith("prefill_step") for n in names)  # the trace covers the decode steps only
+
+
+def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
+    """Buckets [1, 4]: after warm-up, no decode step compiles, and the first step of each bucket is within 1.5x
+    of the median. A real-shape model (deepseek-v2-lite, 1 layer) so a step is milliseconds, not Python noise."""
+    rc, out = _run(tmp_path, "--model", "deepseek-v2-lite", "--layers", "1", "--batch-size", "1", "4",
+                   "--input-len", "64", "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4")
+    assert rc == 0
+    res = out["backends"]["compiled"]
+    assert res["setup"]["buckets"] == 4  # batch [1, 4] x kv tokens [256, 512]
+    assert res["setup"]["compiles_after_warmup"] == 0  # no decode step compiled
+    for bs, bucket in (("1", "1x256"), ("4", "4x512")):  # 77 tokens = 2 blocks of 64 per request
+        r = res["results"][bs]
+        assert r["decode_buckets"] == [bucket] * 12
+        assert r["first_over_median"] <= 1.5, (bs, r["decode_latencies_s"])
+    stats = res["setup"]["graph_stats"]
+    assert sum(s["fallbacks"] for s in stats) == 0
+    assert sum(s["replays"] for s in stats) == 24
