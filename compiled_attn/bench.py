@@ -201,11 +201,11 @@ def run_backend(name: str, model, args, device, profiler=None) -> dict:
     for bs in args.batch_size:
         share = CpuShare()
         prefill = engine.admit([args.input_len] * bs, seed=args.seed + bs)
-        if profiler is not None:
-            profiler.toggle_collection_dynamic(True, [torch.profiler.ProfilerActivity.CPU])
+        if profiler is not None:  # record the decode steps only
+            profiler.toggle_collection_dynamic(True, list(profiler.activities))
         decode = engine.decode(args.output_len - 1)
         if profiler is not None:
-            profiler.toggle_collection_dynamic(False, [torch.profiler.ProfilerActivity.CPU])
+            profiler.toggle_collection_dynamic(False, list(profiler.activities))
         engine.release()
         res = _summarise(bs, args, prefill, decode)
         res["cpu_share_of_other_processes"] = share.others()
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                           + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
                                              else []))
         profiler.start()
-        profiler.toggle_collection_dynamic(False, [torch.profiler.ProfilerActivity.CPU])
+        profiler.toggle_collection_dynamic(False, list(profiler.activities))
     results = {}
     for name in args.backend:
         results[name] = run_backend(name, model, args, device, profiler)

@@ -3,6 +3,7 @@
     compiled-attn bench ...            per-bucket prefill/decode latency, backends side by side (bench.py)
     compiled-attn bench-ops ...        one attention op: loop vs eager vs compiled (bench_ops.py)
     compiled-attn bench-step ...       N-layer decode step: warm-up, first/median step, warm restart (bench_step.py)
+    compiled-attn bench-sglang ...     our SGLang backend vs SGLang's torch_native on the same ForwardBatches
     compiled-attn profile ...          an nsys session around ``bench`` (profiling/nsys_session.sh)
     compiled-attn profile-summary F    time per range from a torch.profiler trace or an nsys CSV
 """
@@ -19,6 +20,7 @@ COMMANDS = {
     "bench": "compiled_attn.bench",
     "bench-ops": "compiled_attn.bench_ops",
     "bench-step": "compiled_attn.bench_step",
+    "bench-sglang": "compiled_attn.bench_sglang",
     "profile-summary": "profiling.summary",
 }
 

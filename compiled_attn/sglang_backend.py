@@ -160,9 +160,11 @@ class CompiledAttnBackend(AttentionBackend):
             return False
         return True
 
-    def _state_for(self, forward_batch) -> _ForwardState:
+    def _state_for(self, forward_batch, *, decode: bool) -> _ForwardState:
         state = self.forward_metadata
-        if state is None or (not state.static and state.forward_batch is not forward_batch):
+        # graph (static) metadata serves whatever batch object the graph runner passes; eager metadata is per batch
+        stale = state is None or (state.static and not decode)
+        if stale or (not state.static and state.forward_batch is not forward_batch):
             state = self.forward_metadata = _ForwardState(forward_batch, static=False)
         return state
 
@@ -170,10 +172,10 @@ class CompiledAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """Allocate the static metadata buffers for decode graphs of up to ``max_bs`` rows."""
-        env = os.environ.get(GRAPH_KV_TOKENS_ENV)
-        kv_tokens = int(env) if env else int(getattr(self.token_to_kv_pool, "size", 0) or self.req_to_token.numel())
-        if kv_tokens < 1:
+        env = os.environ.get(GRAPH_KV_TOKENS_ENV, "").strip()
+        if env and not (env.isdigit() and int(env) > 0):
             raise ValueError(f"{GRAPH_KV_TOKENS_ENV} must be a positive number of KV tokens, got {env!r}")
+        kv_tokens = int(env) if env else int(getattr(self.token_to_kv_pool, "size", 0) or self.req_to_token.numel())
         nblk = self.graph_block_capacity(max_bs, kv_tokens)
         z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=self.device)  # noqa: E731
         self.graph = _GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
@@ -283,7 +285,7 @@ class CompiledAttnBackend(AttentionBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         cross = bool(layer.is_cross_attention)
         key = (None if cross else _window(layer), cross)
-        state = self._state_for(forward_batch)
+        state = self._state_for(forward_batch, decode=True)
         index = state.decode.get(key)
         if index is None:
             self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
@@ -313,7 +315,7 @@ class CompiledAttnBackend(AttentionBackend):
             # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
             # save_kv_cache=False): attend over the batch's own K/V
             return self._extend_over_given_kv(q3, k, v, layer, fb, key)
-        state = self._state_for(fb)
+        state = self._state_for(fb, decode=False)
         planned = state.extend.get(key)
         if planned is None:
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,

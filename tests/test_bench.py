@@ -26,7 +26,7 @@ def one_thread():
 
 def _run(tmp_path, *argv):
     path = tmp_path / "out.json"
-    rc = bench.main([*argv, "--json", str(path), "--quiet"])
+    rc = bench.main([*argv, "--json", str(path), "--quiet", "--no-malloc-tuning"])
     return rc, json.loads(path.read_text())
 
 
@@ -79,7 +79,7 @@ def test_bad_flag_no_traceback_from_the_command_line():
 
 def test_plot_needs_matplotlib_one_clear_line(tmp_path, capsys):
     argv = ["--model", "tiny-llama", "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--backend",
-            "loop", "--plot", str(tmp_path / "p.png"), "--quiet"]
+            "loop", "--plot", str(tmp_path / "p.png"), "--quiet", "--no-malloc-tuning"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -96,7 +96,7 @@ def test_torch_trace_has_decode_and_layer_ranges(tmp_path):
     trace = tmp_path / "trace.json"
     rc = bench.main(["--model", "tiny-llama", "--layers", "2", "--batch-size", "2", "--input-len", "6",
                      "--output-len", "3", "--backend", "loop", "static", "--profile", "torch", "--trace",
-                     str(trace), "--quiet"])
+                     str(trace), "--quiet", "--no-malloc-tuning"])
     assert rc == 0
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
     assert "decode_step bs=2 bucket=eager" in names

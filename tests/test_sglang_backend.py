@@ -363,6 +363,9 @@ def test_graph_capacity(monkeypatch):
     ref_mr = H.make_model_runner(g, seed=12)
     ref = _run(H.make_backend(ref_mr), H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8), [H.make_layer(g)])
     torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=0)
+    monkeypatch.setenv(GRAPH_KV_TOKENS_ENV, "lots")
+    with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):
+        backend.init_cuda_graph_state(8, 8)
 
 
 @pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
