@@ -7,8 +7,10 @@ the median decode latency and throughput, and the total; then one table of backe
 self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not).
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends) takes about 1.5-2.5 minutes on a 2-core CPU. ``--output-len`` counts generated tokens as
-SGLang does: the prefill yields the first, then ``output_len - 1`` decode steps.
+all three backends) takes 50-80 s on an otherwise idle 2-core CPU (warm / cold inductor cache), under 3 minutes
+with another job on the machine; measurements taken while other processes held > 10% of the CPUs are flagged.
+``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
+decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
 
 ``--enable-torch-compile`` is on by default for ``compiled`` (``--no-enable-torch-compile`` turns it off: the
 bucketed step then runs eager on static buffers / CUDA graphs of the eager step).

@@ -115,6 +115,7 @@ def extend_padded(
         if dv < width:
             v = F.pad(v, (0, width - dv))
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=index.mask, scale=scale,
-                                           enable_gqa=hq != hkv)[..., :dv]
+                                           enable_gqa=True)[..., :dv]  # a no-op when Hq == Hkv; a bool, never a
+        # symbolic one from dynamic shapes, which SDPA rejects
     o = o.transpose(1, 2) * index.has_keys[..., None].to(o.dtype)  # [bs, q_cap, Hq, Dv]
     return o.reshape(bs * q_cap, hq, dv).index_select(0, index.out_gather).to(q.dtype)
