@@ -121,3 +121,26 @@ def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
     stats = res["setup"]["graph_stats"]
     assert sum(s["fallbacks"] for s in stats) == 0
     assert sum(s["replays"] for s in stats) == 24
+
+
+def test_compiled_trace_names_buckets_and_summary_matches_step_time(tmp_path):
+    """Ranges per bucket (replay) appear in the trace of the compiled backend, and the summary's decode-step
+    total equals the decode latencies the bench measured itself, within 10%."""
+    from profiling.summary import summarize_torch_trace
+
+    trace, out = tmp_path / "trace.json", tmp_path / "out.json"
+    rc = bench.main(["--model", "tiny-llama", "--layers", "2", "--batch-size", "3", "--input-len", "6",
+                     "--output-len", "6", "--backend", "compiled", "--cuda-graph-bs", "4",
+                     "--no-enable-torch-compile", "--profile", "torch", "--trace", str(trace), "--json", str(out),
+                     "--quiet", "--no-malloc-tuning"])
+    assert rc == 0
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert any(n.startswith("replay bs=4 kv=") for n in names), names
+    assert any(n.startswith("decode_step bs=3 bucket=4x") for n in names), names
+    stats = summarize_torch_trace(str(trace), group_by="name")
+    step = next(s for s in stats if s.name == "decode_step")
+    measured = sum(json.loads(out.read_text())["backends"]["compiled"]["results"]["3"]["decode_latencies_s"])
+    assert step.count == 5
+    assert abs(step.total_ms / 1e3 - measured) <= 0.1 * measured
+    replay = next(s for s in stats if s.name == "replay")
+    assert replay.count == 5 and replay.total_ms <= step.total_ms
