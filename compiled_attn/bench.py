@@ -182,7 +182,7 @@ def graph_config(args, max_context: int, device: torch.device) -> GraphConfig:
     max_bs = max(args.batch_size + (args.cuda_graph_bs or []))
     block = 64
     per_request = -(-max_context // block) * block
-    return GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * per_request,
+    return GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * per_request, max_context_len=max_context,
                        enable_torch_compile=args.enable_torch_compile,
                        torch_compile_max_bs=args.torch_compile_max_bs, cuda_graph_bs=args.cuda_graph_bs,
                        disable_cuda_graph=args.disable_cuda_graph, block_size=block, progress=not args.quiet)

@@ -62,7 +62,7 @@ def run(args) -> dict:
         t.normal_()
     persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32, device=dev)
     step = make_stack_step(shape)
-    config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length,
+    config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length, max_context_len=args.length,
                          cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
     graphs = DecodeGraphs(step, config=config, device=dev,
                           row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),

@@ -42,6 +42,7 @@ class GraphConfig:
 
     max_batch_size: int = 32
     max_kv_tokens: int = 8192
+    max_context_len: int | None = None  # per request; when set, buckets no batch of that size can reach are skipped
     enable_torch_compile: bool = True
     torch_compile_max_bs: int = 32
     cuda_graph_bs: Sequence[int] | None = None
@@ -49,7 +50,9 @@ class GraphConfig:
     block_size: int = 64
     min_kv_tokens: int = 256
     kv_growth: float = 2.0
-    warmup_iters: int = 2
+    # runs per bucket before capture; None: 2 on CUDA (a run on the side stream before capture), 1 on CPU, where
+    # the first run compiles and nothing is captured, so a second run only lengthens start-up
+    warmup_iters: int | None = None
     progress: bool = True
 
     def policy(self) -> BucketPolicy:
@@ -77,7 +80,7 @@ class DecodeGraphs:
         self.row_inputs = dict(row_inputs)
         use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
         compiled = compile_step(step_fn) if config.enable_torch_compile else None
-        keys = self.policy.keys()
+        keys = [k for k in self.policy.keys() if self._reachable(k)]
         small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
         large = [k for k in keys if k[0] > config.torch_compile_max_bs]
         fallback = compiled or step_fn
@@ -87,8 +90,19 @@ class DecodeGraphs:
                 self.runners.append(GraphRunner(
                     fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
                     use_cuda_graph=use_graph, compile_fn=None, fallback_fn=lambda i, p: fallback(i, p),
-                    warmup_iters=config.warmup_iters, progress=config.progress))
+                    warmup_iters=config.warmup_iters or (2 if use_graph else 1),
+                    progress=config.progress))
         self._runner_of = {k: r for r in self.runners for k in r.keys}
+
+    def _reachable(self, key: tuple[int, int]) -> bool:
+        """Whether a batch of ``key[0]`` rows can need this KV bucket (each row reads <= max_context_len tokens,
+        rounded up to whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
+        if self.config.max_context_len is None:
+            return True
+        bs, kv = key
+        blocks = -(-self.config.max_context_len // self.config.block_size)
+        smaller = [c for c in self.policy.kv_capacities if c < kv]
+        return (max(smaller) if smaller else 0) < bs * blocks * self.config.block_size
 
     def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
         bs, kv_tokens = key
