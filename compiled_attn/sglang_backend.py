@@ -277,13 +277,17 @@ class CompiledAttnBackend(AttentionBackend):
             loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
+        """Shared by decode and extend: check extras, write the new K/V, view q, fetch this layer's caches."""
         _check_kwargs(kwargs)
         self._write_kv(layer, forward_batch, k, v, save_kv_cache)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        cross = bool(layer.is_cross_attention)
+        return q3, k_cache, v_cache, bool(layer.is_cross_attention)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         key = (None if cross else _window(layer), cross)
         state = self._state_for(forward_batch, decode=True)
         index = state.decode.get(key)
@@ -302,12 +306,7 @@ class CompiledAttnBackend(AttentionBackend):
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        _check_kwargs(kwargs)
-        self._write_kv(layer, forward_batch, k, v, save_kv_cache)
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        cross = bool(layer.is_cross_attention)
+        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
         key = (_window(layer) if causal else None, cross, causal)
         fb = forward_batch

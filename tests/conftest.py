@@ -12,3 +12,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: a parallel region cannot stall on a second thread that a neighbour's job has
+    descheduled (the machines are shared 2-core ones); used by the timing-sensitive model and bench tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,13 +15,7 @@ RESULT_FIELDS = {"batch_size", "input_len", "output_len", "prefill_latency_s", "
                  "tokens"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: robust on a shared 2-core machine (see tests/test_models.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(tmp_path, *argv):

@@ -16,12 +16,7 @@ TINY = ["tiny-llama", "tiny-deepseek"]
 PROMPTS = [5, 17, 33]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(model, backend, max_context=64, buckets=(4,)):
