@@ -241,10 +241,15 @@ def _summarise(bs: int, args, prefill, decode) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # the ranges switch is process-wide: restore it, so an in-process caller (a test) is left as it was
+    with profiling.enabled_ranges(args.enable_nvtx or args.profile == "torch"):
+        return _run(args)
+
+
+def _run(args) -> int:
     device, dtype = _device_and_dtype(args)
     start = time.perf_counter()
     malloc = device.type == "cpu" and not args.no_malloc_tuning and tune_malloc()
-    profiling.set_enabled(args.enable_nvtx or args.profile == "torch")
     torch.manual_seed(args.seed)
     cfg = get_config(args.model, layers=args.layers, mlp=args.mlp)
     model = build_model(cfg, seed=args.seed, dtype=dtype, device=device)
