@@ -45,6 +45,22 @@ def _encoder_lens(encoder_lens, is_cross_attn, bs, device):
     return validate.check_lengths("encoder_lens", encoder_lens, bs, device)
 
 
+def decode_kv_range(seq_lens: torch.Tensor, encoder_lens: torch.Tensor, sliding_window: int | None,
+                    is_cross_attn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key positions ``[lo, hi)`` each decode request reads; pure tensor code (host or graph-recorded).
+
+    seq_lens, encoder_lens: [bs] int64 (zeros for decoder-only) -> lo, hi: [bs] int64. Cross-attention reads the
+    encoder tokens ``[0, encoder_len)``; self-attention reads ``[encoder_len, encoder_len + seq_len)``, from
+    ``seq_len - 1 - sliding_window`` on when windowed (the one query sits at ``seq_len - 1``).
+    """
+    if is_cross_attn:
+        return torch.zeros_like(encoder_lens), encoder_lens
+    lo = encoder_lens
+    if sliding_window is not None:
+        lo = encoder_lens + (seq_lens - 1 - sliding_window).clamp_min(0)
+    return lo, encoder_lens + seq_lens
+
+
 def plan_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -75,16 +91,9 @@ def plan_decode(
     validate.check_window_and_cap(sliding_window, None)
     if is_cross_attn and sliding_window is not None:
         raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
-    if is_cross_attn:
-        lo, hi = torch.zeros_like(enc), enc
-        validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens")
-    else:
-        hi = enc + lens
-        validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens + seq_lens" if encoder_lens is not None
-                              else "seq_lens")
-        lo = enc.clone()
-        if sliding_window is not None:  # the one query sits at seq_len - 1 and sees keys >= it - window
-            lo = enc + (lens - 1 - sliding_window).clamp_min(0)
+    lo, hi = decode_kv_range(lens, enc, sliding_window, is_cross_attn)
+    validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
+                          "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
     needed = int(_ceil_div(hi - lo, block_size).sum()) if bs else 0
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)

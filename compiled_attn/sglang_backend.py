@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from .api import decode_index, extend_index, v_is_prefix_of_k
 from .decode import DecodeIndex, build_decode_index, decode_blocks
 from .extend import ExtendIndex, extend_padded
-from .plan import DEFAULT_BLOCK_SIZE, plan_decode, plan_extend
+from .plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
@@ -259,11 +259,7 @@ class CompiledAttnBackend(AttentionBackend):
         lens = lens.to(torch.int64)
         base = enc.to(torch.int64) if enc is not None else torch.zeros_like(lens)
         window, cross = key
-        if cross:
-            lo, hi = torch.zeros_like(lens), base
-        else:
-            hi = base + lens
-            lo = base if window is None else base + (lens - 1 - window).clamp_min(0)
+        lo, hi = decode_kv_range(lens, base, window, cross)
         g.req_rows[:bs].copy_(rows)
         g.kv_lo[:bs].copy_(lo)
         g.kv_hi[:bs].copy_(hi)
