@@ -5,14 +5,9 @@ A helper module for tests (not a test file). It builds what SGLang's attention p
 ``RadixAttention`` layers, hand-made ``ForwardBatch``es) and runs one layer the way
 ``ModelRunner`` does, so the same data can be fed to SGLang and to our own functions.
 
-Import order matters on a CPU-only machine: import this module (it applies the fix-up
-below) or call :func:`ensure_sglang_importable` before anything imports ``sglang``,
-``torchvision`` or ``transformers``' image utilities. SGLang imports ``torchvision`` at module level
-(``sglang.srt.configs`` -> ``multimodal/internvl_utils``), and PyPI's torchvision wheel
-carries CUDA-linked C++ ops that cannot load beside the CPU build of torch; its Python
-then dies on ``register_fake("torchvision::nms")``. We declare the two op schemas it
-registers fakes for, which is all its pure-Python part needs. On a machine where the ops
-do load (CUDA torch + matching torchvision) nothing is declared.
+The pieces live in three modules: ``sglang_setup`` (the import fix-up and single-rank parallel names, applied
+on import), ``sglang_geometry`` (geometries, model-runner stand-in, layers) and this one (batches and running);
+this module re-exports all of them, so tests import only ``sglang_harness``.
 
 Layout conventions, as in SGLang:
   * ``req_to_token``: ``[max_num_reqs + 1, max_context_len]`` int32; row 0 is the padding row.
@@ -32,342 +27,15 @@ Layout conventions, as in SGLang:
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
-import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-SGLANG_VERSION = "0.5.23"
-
-# Keeps the op declarations alive: a torch.library.Library drops its definitions when
-# it is garbage-collected.
-_TORCHVISION_OPS_LIB = None
-
-
-def ensure_torchvision_importable() -> bool:
-    """Make ``import torchvision`` work beside a CPU torch when its C++ ops can't load.
-
-    Returns True if it had to declare the op schemas. Does nothing (returns False) when
-    torchvision is absent, already imported, or its ``_C`` extension loads.
-    """
-    global _TORCHVISION_OPS_LIB
-    if _TORCHVISION_OPS_LIB is not None or "torchvision" in sys.modules:
-        return False
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    libs = []
-    for loc in spec.submodule_search_locations:
-        libs += glob.glob(os.path.join(loc, "_C.so")) + glob.glob(os.path.join(loc, "_C.*.so"))
-    if libs:
-        try:
-            # What torchvision.extension does itself; loading twice is harmless.
-            torch.ops.load_library(libs[0])
-            return False
-        except (OSError, ImportError, RuntimeError):
-            pass
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in (
-        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    ):
-        try:
-            lib.define(schema)
-        except RuntimeError:  # already declared by someone else
-            pass
-    _TORCHVISION_OPS_LIB = lib
-    return True
-
-
-# Importing this module is enough: the fix-up runs here, before a test imports sglang.
-ensure_torchvision_importable()
-
-
-def ensure_sglang_importable() -> None:
-    """Everything that must happen before the first ``import sglang`` on a CPU machine.
-
-    Besides the torchvision fix-up: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's switch for its
-    CPU server) makes SGLang import ``sgl_kernel`` (its CPU kernel build, not on PyPI) at
-    module level; without that package the harness runs SGLang's generic path instead, so
-    the variable is dropped here, before SGLang reads it at import.
-    """
-    ensure_torchvision_importable()
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and "sglang" not in sys.modules:
-        if importlib.util.find_spec("sgl_kernel") is None:
-            import warnings
-
-            warnings.warn("sglang_harness: SGLANG_USE_CPU_ENGINE=1 needs sgl_kernel, which is "
-                          "not installed; unsetting it for this process")
-            del os.environ["SGLANG_USE_CPU_ENGINE"]
-
-
-def sglang_available() -> bool:
-    """True if ``sglang`` imports here (after the torchvision fix-up)."""
-    ensure_sglang_importable()
-    try:
-        import_sglang()
-    except ImportError:
-        return False
-    return True
-
-
-def import_sglang() -> SimpleNamespace:
-    """Import the SGLang classes the harness uses; raises ImportError if SGLang is absent."""
-    ensure_sglang_importable()
-    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
-    from sglang.srt.mem_cache.memory_pool import (
-        MHATokenToKVPool,
-        MLATokenToKVPool,
-        ReqToTokenPool,
-    )
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-    return SimpleNamespace(
-        AttentionBackend=AttentionBackend,
-        TorchNativeAttnBackend=TorchNativeAttnBackend,
-        AttentionType=AttentionType,
-        RadixAttention=RadixAttention,
-        ReqToTokenPool=ReqToTokenPool,
-        MHATokenToKVPool=MHATokenToKVPool,
-        MLATokenToKVPool=MLATokenToKVPool,
-        ForwardBatch=ForwardBatch,
-        ForwardMode=ForwardMode,
-        ForwardContext=ForwardContext,
-        forward_context=forward_context,
-    )
-
-
-# Parallel-topology names SGLang reads on the attention path (MLATokenToKVPool.set_kv_buffer
-# asserts on ``dcp_enabled``; ``set_mla_kv_buffer`` reads ``attn_dcp_size``). Outside a
-# server nothing publishes them and reading raises, so the harness states single-rank values
-# for the names that are unset, scoped to each call.
-PARALLEL_DEFAULTS = dict(dcp_enabled=False, attn_dcp_size=1, attn_dcp_rank=0,
-                         attn_tp_size=1, attn_tp_rank=0)
-
-
-def parallel_scope():
-    """Context manager: single-rank values for the unset parallel names, else a no-op."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    missing = {}
-    for name, value in PARALLEL_DEFAULTS.items():
-        try:
-            getattr(parallel, name)
-        except (RuntimeError, ValueError):
-            missing[name] = value
-    return parallel.override(**missing) if missing else nullcontext()
-
-
-# --------------------------------------------------------------------------------------
-# Geometry
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AttnGeometry:
-    """Per-layer attention shape, as one tensor-parallel rank sees it."""
-
-    name: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int  # q/k head dim (576 for absorbed MLA)
-    v_head_dim: int
-    scaling: Optional[float] = None  # None: head_dim ** -0.5
-    mla: bool = False  # absorbed MLA on MLATokenToKVPool
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-
-    def __post_init__(self):
-        assert self.num_heads % self.num_kv_heads == 0
-        if self.mla:
-            assert self.num_kv_heads == 1
-            assert self.head_dim == self.kv_lora_rank + self.qk_rope_head_dim
-            assert self.v_head_dim == self.kv_lora_rank
-
-    @property
-    def sm_scale(self) -> float:
-        return self.scaling if self.scaling is not None else self.head_dim**-0.5
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def mha(num_heads=4, head_dim=64, name="mha") -> AttnGeometry:
-    return AttnGeometry(name, num_heads, num_heads, head_dim, head_dim)
-
-
-def gqa(num_heads=8, num_kv_heads=2, head_dim=64, name="gqa") -> AttnGeometry:
-    return AttnGeometry(name, num_heads, num_kv_heads, head_dim, head_dim)
-
-
-def mla_normal(num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128) -> AttnGeometry:
-    """DeepSeek MLA run as plain MHA (prefill "normal" path): q/k 192, v 128, on MHATokenToKVPool."""
-    d = qk_nope_head_dim + qk_rope_head_dim
-    return AttnGeometry(
-        "mla_normal", num_heads, num_heads, d, v_head_dim, scaling=d**-0.5,
-        qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
-    )
-
-
-def mla_absorbed(num_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128) -> AttnGeometry:
-    """DeepSeek MLA, weight-absorbed: one latent KV head 576 / 512 on MLATokenToKVPool.
-
-    The softmax scale is the model's, ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``
-    (DeepSeek-V2/V3: 192 ** -0.5, before any YaRN mscale), not 576 ** -0.5.
-    """
-    return AttnGeometry(
-        "mla_absorbed", num_heads, 1, kv_lora_rank + qk_rope_head_dim, kv_lora_rank,
-        scaling=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5, mla=True,
-        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-        qk_nope_head_dim=qk_nope_head_dim,
-    )
-
-
-GEOMETRIES: Dict[str, AttnGeometry] = {
-    "mha": mha(),
-    "gqa": gqa(),
-    "mla_normal": mla_normal(),
-    "mla_absorbed": mla_absorbed(),
-}
-
-
-# --------------------------------------------------------------------------------------
-# Model-runner stand-in
-# --------------------------------------------------------------------------------------
-
-
-class SlotAllocator:
-    """Hands out KV slots (and request rows) in a scattered, shuffled order; 0 is never given."""
-
-    def __init__(self, n: int, generator: torch.Generator):
-        self.free: List[int] = (torch.randperm(n - 1, generator=generator) + 1).tolist()
-
-    def alloc(self, count: int) -> List[int]:
-        if count > len(self.free):
-            raise RuntimeError(f"out of slots: want {count}, have {len(self.free)}")
-        out, self.free = self.free[:count], self.free[count:]
-        return out
-
-
-def make_model_runner(
-    geom: AttnGeometry,
-    *,
-    dtype: torch.dtype = torch.float32,
-    num_layers: int = 1,
-    max_num_reqs: int = 16,
-    max_context_len: int = 256,
-    pool_size: int = 2048,
-    device: str = "cpu",
-    sliding_window_size: Optional[int] = None,
-    seed: int = 0,
-) -> SimpleNamespace:
-    """A ``ModelRunner`` stand-in with the pools and the attributes attention backends read.
-
-    ``TorchNativeAttnBackend.__init__`` reads only ``device``, ``req_to_token_pool`` and
-    ``token_to_kv_pool``; the rest mirrors what other 0.5.23 backends read (triton,
-    flex, intel_amx, flashinfer_mla) so a backend of ours can use the same object.
-    Also carries ``req_allocator`` / ``slot_allocator`` (harness bookkeeping, not SGLang's).
-    """
-    sg = import_sglang()
-    gen = torch.Generator().manual_seed(seed)
-    req_to_token_pool = sg.ReqToTokenPool(
-        size=max_num_reqs, max_context_len=max_context_len, device=device, enable_memory_saver=False
-    )
-    if geom.mla:
-        token_to_kv_pool = sg.MLATokenToKVPool(
-            size=pool_size, page_size=1, dtype=dtype, kv_lora_rank=geom.kv_lora_rank,
-            qk_rope_head_dim=geom.qk_rope_head_dim, layer_num=num_layers, device=device,
-            enable_memory_saver=False,
-        )
-    else:
-        token_to_kv_pool = sg.MHATokenToKVPool(
-            size=pool_size, page_size=1, dtype=dtype, head_num=geom.num_kv_heads,
-            head_dim=geom.head_dim, layer_num=num_layers, device=device,
-            enable_memory_saver=False, v_head_dim=geom.v_head_dim,
-        )
-    model_config = SimpleNamespace(
-        num_attention_heads=geom.num_heads,
-        num_key_value_heads=geom.num_kv_heads,
-        head_dim=geom.head_dim,
-        v_head_dim=geom.v_head_dim,
-        kv_lora_rank=geom.kv_lora_rank,
-        qk_rope_head_dim=geom.qk_rope_head_dim,
-        qk_nope_head_dim=geom.qk_nope_head_dim,
-        scaling=geom.sm_scale,
-        context_len=max_context_len,
-        num_hidden_layers=num_layers,
-        is_encoder_decoder=False,
-        attention_arch="MLA" if geom.mla else "MHA",
-        swa_v_head_dim=None,
-        dtype=dtype,
-        get_num_kv_heads=lambda tp_size=1: max(1, geom.num_kv_heads // tp_size),
-        get_max_num_attention_heads=lambda tp_size=1: geom.num_heads // tp_size,
-    )
-    server_args = SimpleNamespace(
-        attention_backend="torch_native",
-        prefill_attention_backend=None,
-        decode_attention_backend=None,
-        page_size=1,
-        kv_cache_dtype="auto",
-        device=device,
-        enable_torch_compile=False,
-        disable_cuda_graph=True,
-        speculative_algorithm=None,
-        tp_size=1,
-    )
-    return SimpleNamespace(
-        device=device,
-        gpu_id=0,
-        tp_size=1,
-        dtype=dtype,
-        kv_cache_dtype=dtype,
-        page_size=1,
-        use_mla_backend=geom.mla,
-        is_draft_worker=False,
-        sliding_window_size=sliding_window_size,
-        model_config=model_config,
-        server_args=server_args,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool=token_to_kv_pool,
-        max_total_num_tokens=pool_size,
-        max_running_requests=max_num_reqs,
-        decode_num_tokens_per_req=lambda: 1,
-        geometry=geom,
-        req_allocator=SlotAllocator(max_num_reqs + 1, gen),
-        slot_allocator=SlotAllocator(pool_size + 1, gen),
-        generator=gen,
-    )
-
-
-def make_backend(model_runner):
-    """SGLang's own TorchNativeAttnBackend on the stand-in."""
-    return import_sglang().TorchNativeAttnBackend(model_runner)
-
-
-def make_layer(geom: AttnGeometry, layer_id: int = 0, sliding_window_size: int = -1):
-    """A RadixAttention layer, constructed as the models construct it."""
-    return import_sglang().RadixAttention(
-        num_heads=geom.num_heads,
-        head_dim=geom.head_dim,
-        scaling=geom.sm_scale,
-        num_kv_heads=geom.num_kv_heads,
-        layer_id=layer_id,
-        v_head_dim=geom.v_head_dim,
-        sliding_window_size=sliding_window_size if sliding_window_size is not None else -1,
-    )
-
+from sglang_setup import (PARALLEL_DEFAULTS, SGLANG_VERSION, ensure_sglang_importable,  # noqa: F401  (re-exported)
+                          ensure_torchvision_importable, import_sglang, parallel_scope, sglang_available)
+from sglang_geometry import (GEOMETRIES, AttnGeometry, gqa, make_backend, make_layer,  # noqa: F401
+                             make_model_runner, mha, mla_absorbed, mla_normal)
 
 # --------------------------------------------------------------------------------------
 # Batches
@@ -483,12 +151,12 @@ def _build(
     seq_lens_l = [p + n for p, n in zip(prefix_lens, new_lens)]
     assert max(seq_lens_l) <= model_runner.req_to_token_pool.max_context_len
 
-    rows = model_runner.req_allocator.alloc(bs)
+    rows = model_runner.req_allocator.alloc(bs).tolist()
     req_to_token = model_runner.req_to_token_pool.req_to_token
     out_cache_loc_l: List[int] = []
     prefix_locs = []
     for i in range(bs):
-        slots = model_runner.slot_allocator.alloc(seq_lens_l[i])
+        slots = model_runner.slot_allocator.alloc(seq_lens_l[i]).tolist()
         req_to_token[rows[i], : seq_lens_l[i]] = torch.tensor(slots, dtype=torch.int32)
         prefix_locs.append(torch.tensor(slots[: prefix_lens[i]], dtype=torch.int64))
         out_cache_loc_l += slots[prefix_lens[i] :]
@@ -683,5 +351,5 @@ __all__ = [
     "mla_normal", "mla_absorbed", "make_model_runner", "make_backend", "make_layer",
     "make_extend_batch", "make_decode_batch", "run_sglang_layer", "run_sglang",
     "write_kv", "read_kv", "request_kv", "request_q", "BatchData", "LayerData",
-    "default_tolerance", "SlotAllocator", "parallel_scope", "PARALLEL_DEFAULTS",
+    "default_tolerance", "parallel_scope", "PARALLEL_DEFAULTS",
 ]

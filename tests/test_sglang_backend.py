@@ -112,11 +112,11 @@ def _cross_attention_run(make, enc_lens=(5, 3), dec_lens=(4, 2)):
     mr = H.make_model_runner(g, num_layers=2, seed=6)
     gen = torch.Generator().manual_seed(7)
     rnd = lambda n, d: torch.randn(n, d, generator=gen)  # noqa: E731
-    rows = torch.tensor(mr.req_allocator.alloc(len(enc_lens)), dtype=torch.int64)
+    rows = mr.req_allocator.alloc(len(enc_lens))
     table = mr.req_to_token_pool.req_to_token
     enc_loc, dec_loc = [], []
     for row, e, d in zip(rows.tolist(), enc_lens, dec_lens):
-        slots = mr.slot_allocator.alloc(e + d)
+        slots = mr.slot_allocator.alloc(e + d).tolist()
         table[row, : e + d] = torch.tensor(slots, dtype=torch.int32)
         enc_loc += slots[:e]
         dec_loc += slots[e:]
@@ -137,7 +137,7 @@ def _cross_attention_run(make, enc_lens=(5, 3), dec_lens=(4, 2)):
             H.run_sglang_layer(backend, cross_layer, fb, rnd(n, hd), rnd(ne, kvd), rnd(ne, kvd),
                                init_metadata=False)[0]]
     # decode: one more decoder token per request
-    new = torch.tensor(mr.slot_allocator.alloc(len(dec_lens)))
+    new = mr.slot_allocator.alloc(len(dec_lens))
     for i, (row, e, d) in enumerate(zip(rows.tolist(), enc_lens, dec_lens)):
         table[row, e + d] = int(new[i])
     bs = len(dec_lens)

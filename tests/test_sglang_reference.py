@@ -150,7 +150,7 @@ def test_extend_then_decode_continues_from_pool():
     layer = H.make_layer(g)
     H.run_sglang(mr, ext, backend=backend)
     # decode one token per request on the same rows
-    slots = torch.tensor(mr.slot_allocator.alloc(2), dtype=torch.int64)
+    slots = mr.slot_allocator.alloc(2)
     seq_lens = ext.seq_lens + 1
     for i, row in enumerate(ext.req_pool_indices.tolist()):
         mr.req_to_token_pool.req_to_token[row, seq_lens[i] - 1] = int(slots[i])
