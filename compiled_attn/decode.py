@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_flash import block_flash, chunk_blocks_for, supports_block_flash
+
 
 @dataclass
 class DecodeIndex:
@@ -74,11 +76,15 @@ def decode_blocks(
     logit_cap: float | None = None,
     *,
     v_shares_k: bool = False,
+    cpu_flash: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
     q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv]
     v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
+    cpu_flash: per-block attention through ATen's CPU flash kernel (``block_flash``) rather than the matmul form;
+        None picks it wherever it applies (CPU, one head size, no soft-cap). The choice follows shapes, dtypes and
+        the device, never tensor values.
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32; a row with no keys gives zeros.
     """
     bs, hq, dqk = q.shape
@@ -86,8 +92,20 @@ def decode_blocks(
     group = hq // hkv
     nblk, block_size = index.slots.shape
     req = index.block_req.clamp_max(bs - 1)
+    qb = q.index_select(0, req).view(nblk, hkv, group, dqk).float()
+    if cpu_flash is None:
+        cpu_flash = supports_block_flash(q, k_cache, v_cache, logit_cap)
+    if cpu_flash:
+        if not supports_block_flash(q, k_cache, v_cache, logit_cap):
+            raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
+                             f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
+        o, lse = block_flash(qb, k_cache, v_cache, index.slots, index.valid, scale,
+                             chunk_blocks_for(block_size, hkv, dqk))
+        # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
+        out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs)
+        return out.reshape(bs, hq, dv).to(q.dtype)
     flat = index.slots.reshape(-1)
-    qb = q.index_select(0, req).view(nblk, hkv, group, dqk).float() * scale
+    qb = qb * scale
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
     # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched

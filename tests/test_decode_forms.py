@@ -1,0 +1,104 @@
+"""The two decode forms: ATen's CPU flash kernel over chunked gathers (``block_flash``, the CPU default) and the
+matmul form (what CUDA runs; tested here on CPU as its twin). Both against the float64 reference, the chunking
+against a plain per-block softmax, and the automatic choice."""
+import pytest
+import torch
+
+from batch_factory import make_batch
+from compiled_attn import build_decode_index, decode_blocks, plan_decode
+from compiled_attn.block_flash import block_flash, chunk_blocks_for, supports_block_flash
+from compiled_attn.compile_policy import compile_step
+from reference import reference_attention
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+LENS = [5, 70, 1, 130, 0, 64, 65]  # one block, several, exactly one block, a partial block, an empty row
+
+
+def _batch(hq, hkv, dtype=torch.float32, seed=0):
+    """A decode batch over LENS; q has one row per request (the empty row's query attends to nothing)."""
+    b = make_batch(LENS, hq=hq, hkv=hkv, dqk=32, dtype=dtype, decode=True, seed=seed)
+    q = torch.randn(len(LENS), hq, 32, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    q[b.seq_lens > 0] = b.q
+    b.q = q
+    return b
+
+
+def _index(b, block_size=16, block_capacity=None):
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
+                       block_capacity=block_capacity)
+    return build_decode_index(b.req_to_token, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids,
+                              meta.block_offsets)
+
+
+def _reference(b, scale):
+    has = b.seq_lens > 0
+    ref = torch.zeros(b.q.shape, dtype=torch.float64)
+    ref[has] = reference_attention(b.q[has], b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens,
+                              (b.seq_lens - 1).clamp_min(0), has.long(), scale=scale)
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("cpu_flash", [True, False])
+def test_both_forms_match_reference(cpu_flash, heads, dtype):
+    hq, hkv = heads
+    b = _batch(hq, hkv, dtype, seed=3)
+    # spare blocks past the batch's need, as in a captured bucket: they must not leak into any row
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=40), 0.3, cpu_flash=cpu_flash)
+    assert out.dtype == dtype and out.shape == (len(LENS), hq, 32)
+    err = (out.double() - _reference(b, 0.3)).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
+def test_block_flash_chunks_match_plain_block_softmax(chunk_blocks):
+    b = _batch(8, 2, seed=5)
+    index = _index(b, block_size=16, block_capacity=30)
+    nblk, block_size = index.slots.shape
+    req = index.block_req.clamp_max(len(LENS) - 1)
+    qb = b.q.index_select(0, req).view(nblk, 2, 4, 32).float()
+    o, lse = block_flash(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.3, chunk_blocks)
+    # plain float64 per block: scores over the block's valid keys, softmax, weighted V, log-sum-exp
+    k = b.k_cache[index.slots].double().permute(0, 2, 1, 3)  # [nblk, Hkv, block_size, D]
+    v = b.v_cache[index.slots].double().permute(0, 2, 1, 3)
+    s = torch.einsum("nhgd,nhtd->nhgt", qb.double(), k) * 0.3
+    s = s.masked_fill(~index.valid[:, None, None, :], float("-inf"))
+    has_keys = index.valid.any(1)
+    lse_ref = torch.logsumexp(s[has_keys], -1)
+    o_ref = torch.einsum("nhgt,nhtd->nhgd", torch.softmax(s[has_keys], -1), v[has_keys])
+    assert (o[has_keys].double() - o_ref).abs().max() < 1e-5
+    assert (lse[has_keys].double() - lse_ref).abs().max() < 1e-5
+    assert (o[~has_keys] == 0).all()  # blocks with no key (a bucket's spare blocks) give zeros, not NaN
+
+
+def test_chunk_size_keeps_a_gathered_tile_near_one_mib():
+    assert chunk_blocks_for(64, 8, 128) == 4  # llama-3-8b: 256 KiB of float32 K per block
+    assert chunk_blocks_for(64, 64, 128) == 1  # never 0
+    assert chunk_blocks_for(16, 1, 16) == 1024
+
+
+def test_automatic_choice():
+    q, kv = torch.zeros(2, 8, 64), torch.zeros(10, 2, 64)
+    assert supports_block_flash(q, kv, kv, None)
+    assert not supports_block_flash(q, kv, kv, 30.0)  # soft-cap: the kernel has none
+    assert not supports_block_flash(torch.zeros(2, 8, 576), torch.zeros(10, 1, 576), torch.zeros(10, 1, 512), None)
+    b = make_batch([9, 3], hq=4, hkv=2, dqk=16, decode=True)
+    with pytest.raises(ValueError, match="cpu_flash=True needs .*logit_cap"):
+        decode_blocks(b.q, b.k_cache, b.v_cache, _index(b), 0.3, logit_cap=5.0, cpu_flash=True)
+
+
+@pytest.mark.parametrize("cpu_flash", [None, False])
+def test_both_forms_compile_fullgraph(cpu_flash):
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets):
+        index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
+        return decode_blocks(q, k_cache, v_cache, index, 0.3, cpu_flash=cpu_flash)
+
+    fn = compile_step(step)
+    for seed in (0, 1):
+        b = _batch(8, 2, seed=seed)
+        meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16)
+        out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, *meta.step_inputs().values())
+        assert (out.double() - _reference(b, 0.3)).abs().max() < 1e-4
