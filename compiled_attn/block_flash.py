@@ -47,21 +47,25 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     nblk, block_size = slots.shape
     hkv, d = k_cache.shape[1], k_cache.shape[2]
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere
-    bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-    o = torch.empty(q.shape, dtype=torch.float32)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32)
-    for first in range(0, nblk, chunk_blocks):
-        last = min(first + chunk_blocks, nblk)
-        n = last - first
-        flat = slots[first:last].reshape(-1)
+    bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    upcast = k_cache.dtype != torch.float32
+    outs, lses = [], []
+    # views made once (split), so each iteration is two gathers and one kernel call
+    for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * block_size), q.split(chunk_blocks),
+                                 bias.split(chunk_blocks)):
+        k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+        if upcast:
+            k, v = k.float(), v.float()
         # [n * block_size, Hkv, D] rows viewed as [n, Hkv, block_size, D] without a copy
-        k = k_cache.index_select(0, flat).float().view(n, block_size, hkv, d).transpose(1, 2)
-        v = v_cache.index_select(0, flat).float().view(n, block_size, hkv, d).transpose(1, 2)
-        o_c, lse_c = _flash_cpu(q[first:last], k, v, 0.0, False, attn_mask=bias[first:last, None, None, :],
+        n = q_c.shape[0]
+        o_c, lse_c = _flash_cpu(q_c, k.view(n, block_size, hkv, d).transpose(1, 2),
+                                v.view(n, block_size, hkv, d).transpose(1, 2), 0.0, False, attn_mask=bias_c,
                                 scale=scale)
-        o[first:last] = o_c
-        lse[first:last] = lse_c
-    return o, lse
+        outs.append(o_c)
+        lses.append(lse_c)
+    if not outs:  # no blocks at all
+        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses)
 
 
 @block_flash.register_fake

@@ -113,3 +113,16 @@ def test_same_seed_same_weights():
     a = build_model(get_config("tiny-llama", layers=1), seed=9)
     b = build_model(get_config("tiny-llama", layers=1), seed=9)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_dense_linear_matches_float64(dtype, tol):
+    from compiled_attn.models.dense import linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 5, 64, generator=g), torch.randn(48, 64, generator=g) / 8
+    ref = x.double() @ w.double().T
+    for fn in (linear, torch.compile(linear, fullgraph=True, dynamic=True)):
+        out = fn(x.to(dtype), w.to(dtype))
+        assert out.shape == (2, 5, 48) and out.dtype == dtype
+        assert (out.double() - ref).abs().max() < tol * ref.abs().max()

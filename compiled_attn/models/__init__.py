@@ -7,4 +7,4 @@ from .common import PRESETS, AttnFn, ModelConfig, build_model, get_config
 from .deepseek import DeepSeekMLA
 from .llama import Llama
 
-__all__ = ["PRESETS", "AttnFn", "ModelConfig", "build_model", "get_config", "Llama", "DeepSeekMLA"]
+__all__ = ["PRESETS", "AttnFn", "DeepSeekMLA", "Llama", "ModelConfig", "build_model", "get_config"]

@@ -10,12 +10,15 @@ of a 2-layer step, which would hide the backends' difference behind one GEMM tha
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .dense import linear
 
 
 class AttnFn(Protocol):
@@ -57,7 +60,7 @@ class ModelConfig:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -154,8 +157,8 @@ class SwiGLU(nn.Module):
         self.down = init.linear(hidden, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)
 
 
 class DecoderBase(nn.Module):
@@ -189,7 +192,7 @@ class DecoderBase(nn.Module):
                 x = x + self.mlps[layer](rms_norm(x, self.mlp_norm[layer], self.cfg.rms_eps))
         if logits_idx is not None:
             x = x.index_select(0, logits_idx)
-        return F.linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+        return linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
                caches: dict[str, torch.Tensor], attn: AttnFn) -> torch.Tensor:

@@ -24,11 +24,11 @@ not ``num_layers`` (the latent cache stays the only per-layer store, as in SGLan
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kv_pool import MHAKVPool, MLAKVPool, write_kv
 from .common import AttnFn, DecoderBase, ModelConfig, Rotary, WeightInit, rms_norm
+from .dense import linear
 
 
 class DeepSeekMLA(DecoderBase):
@@ -83,9 +83,9 @@ class DeepSeekMLA(DecoderBase):
         """h: [n, hidden] -> [n, hidden]; writes the n tokens' ``[c | k_pe]`` into the latent cache at out_loc."""
         c = self.cfg
         n, heads, nope, rope, rank = h.shape[0], c.num_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
-        q = F.linear(h, self.q_proj[layer]).view(n, heads, nope + rope)
+        q = linear(h, self.q_proj[layer]).view(n, heads, nope + rope)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
-        latent, k_pe = F.linear(h, self.kv_a_proj[layer]).split([rank, rope], dim=-1)
+        latent, k_pe = linear(h, self.kv_a_proj[layer]).split([rank, rope], dim=-1)
         latent = rms_norm(latent, self.kv_a_norm[layer], c.rms_eps)
         cos, sin = self.rotary.cos_sin(positions)
         q_pe = Rotary.apply(q_pe, cos, sin)
@@ -96,7 +96,7 @@ class DeepSeekMLA(DecoderBase):
             o = self._absorbed(layer, q_nope, q_pe, kv_cache, attn)
         else:
             o = self._normal(layer, q_nope, q_pe, kv_cache, caches, attn, kv_slots)
-        return F.linear(o.reshape(n, heads * c.v_head_dim), self.o_proj[layer])
+        return linear(o.reshape(n, heads * c.v_head_dim), self.o_proj[layer])
 
     def _absorbed(self, layer, q_nope, q_pe, kv_cache, attn: AttnFn) -> torch.Tensor:
         """q_nope: [n, H, nope], q_pe: [n, H, rope] -> [n, H, v_head_dim]."""
@@ -114,7 +114,7 @@ class DeepSeekMLA(DecoderBase):
             raise ValueError("MLA normal extend needs kv_slots (every slot the batch reads)")
         lat = kv_cache.index_select(0, kv_slots)  # [m, 1, rank + rope]
         m = lat.shape[0]
-        kv = F.linear(lat[:, 0, :rank], self.kv_b_proj[layer]).view(m, heads, nope + c.v_head_dim)
+        kv = linear(lat[:, 0, :rank], self.kv_b_proj[layer]).view(m, heads, nope + c.v_head_dim)
         k_nope, v = kv.split([nope, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, lat[:, :, rank:].expand(m, heads, c.qk_rope_dim)], dim=-1)
         scratch_k, scratch_v = caches["scratch_k"], caches["scratch_v"]

@@ -6,11 +6,11 @@ Cache layout: one K and one V cache per layer, ``[num_slots, num_kv_heads, head_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kv_pool import MHAKVPool, write_kv
 from .common import AttnFn, DecoderBase, ModelConfig, Rotary, WeightInit
+from .dense import linear
 
 
 class Llama(DecoderBase):
@@ -50,7 +50,7 @@ class Llama(DecoderBase):
         c = self.cfg
         n = h.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = F.linear(h, self.qkv[layer]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = linear(h, self.qkv[layer]).split([q_dim, kv_dim, kv_dim], dim=-1)
         cos, sin = self.rotary.cos_sin(positions)
         q = Rotary.apply(q.reshape(n, c.num_heads, c.head_dim), cos, sin)
         k = Rotary.apply(k.reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
@@ -58,4 +58,4 @@ class Llama(DecoderBase):
         write_kv(k_cache, out_loc, k)
         write_kv(v_cache, out_loc, v.reshape(n, c.num_kv_heads, c.head_dim))
         o = attn(layer, q, k_cache, v_cache, self.scale)  # [n, Hq, D]
-        return F.linear(o.reshape(n, q_dim), self.o_proj[layer])
+        return linear(o.reshape(n, q_dim), self.o_proj[layer])

@@ -1,0 +1,36 @@
+"""The reference models' dense projections: ``F.linear``, routed to oneDNN for float32 on CPU.
+
+Why: every backend runs the same projections, so their cost dilutes the attention difference the benchmark is
+about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) ran a [32, 4096] x [4096, 6144] projection at
+16-19 ms against 7 ms through oneDNN (9 vs 4.5 ms at 8 rows, 85 vs 31 ms at 256). Serving stacks pack their CPU
+weights for oneDNN too (SGLang's CPU path does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses
+cuBLAS, so only CPU float32 is rerouted.
+
+The oneDNN call sits in a custom op because inductor lowers ``mkldnn._linear_pointwise`` only for weights it
+packed itself (under freezing); as an opaque op the compiled step calls the same kernel the eager backends do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# a property of this torch build, read once: dynamo will not trace the query inside a compiled step
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+@torch.library.custom_op("compiled_attn::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [n, in] float32 CPU; weight: [out, in] -> [n, out] (``x @ weight.T``)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` without bias. x: [..., in]; weight: [out, in] -> [..., out]."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and _ONEDNN:
+        return onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
