@@ -10,7 +10,8 @@ import argparse
 
 import torch
 
-from profiling.timers import format_table, median, time_fn
+from profiling.host import tune_malloc
+from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from .compile_policy import compile_step
 from .decode import build_decode_index, decode_blocks
@@ -64,8 +65,9 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     ref = loop()
     for fn in (eager, comp):  # the three must agree before any of them is timed
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
-    t = {k: median(time_fn(f, warmup=1, iters=iters)) for k, f in (("loop", loop), ("eager", eager),
-                                                                     ("compiled", comp))}
+    # round-robin, so a neighbour's burst on this shared machine slows all three alike
+    times = time_interleaved({"loop": loop, "eager": eager, "compiled": comp}, warmup=1, iters=iters)
+    t = {k: median(v) for k, v in times.items()}
     kv_bytes = sum(lens) * shape["hkv"] * (shape["d"] + (0 if shape["mla"] else shape["dv"])) * k_cache.element_size()
     return {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "loop_ms": t["loop"] * 1e3,
             "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
@@ -80,15 +82,19 @@ def main(argv=None) -> int:
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="keep glibc's default of returning large buffers to the OS (see compiled-attn bench)")
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batch_size):
         p.error("--batch-size values must be >= 1")
+    malloc = not args.no_malloc_tuning and tune_malloc()
     torch.manual_seed(0)
     rows = [bench_case(op, bs, lens, iters=args.iters, dtype=getattr(torch, args.dtype))
             for op in args.ops for lens in args.lens for bs in args.batch_size]
     cols = ["op", "bs", "lens", "loop_ms", "eager_ms", "compiled_ms", "eager_x", "compiled_x", "compiled_GBps"]
     print(format_table(rows, cols))
-    print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}")
+    print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}; "
+          f"malloc tuning {'on' if malloc else 'off'}")
     return 0
 
 

@@ -4,7 +4,8 @@ This package imports nothing from ``graphs`` or ``compiled_attn`` (they import i
 
 * ``range(name, **attrs)`` / ``ranged(...)``: named ranges visible in nsys and torch.profiler
   (see ``profiling.ranges``); off unless ``COMPILED_ATTN_NVTX=1`` or ``set_enabled(True)``.
-* ``profiling.timers``: ``time_fn``, ``median``, ``format_table``, ``range_overhead_ns``.
+* ``profiling.timers``: ``time_fn``, ``time_interleaved``, ``median``, ``format_table``, ``range_overhead_ns``.
+* ``profiling.host``: ``tune_malloc`` (glibc: no per-step page faults of large buffers), ``CpuShare``.
 * ``profiling.summary``: one summary format for torch.profiler Chrome traces and ``nsys stats`` CSVs
   (``python -m profiling.summary TRACE``).
 """

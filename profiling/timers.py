@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["time_fn", "median", "format_table", "LatencyTable", "range_overhead_ns"]
+__all__ = ["time_fn", "time_interleaved", "median", "format_table", "LatencyTable", "range_overhead_ns"]
 
 _UNIT_SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 
@@ -43,6 +43,24 @@ def time_fn(fn: Callable[[], Any], *, warmup: int, iters: int,
         if sync is not None:
             sync()
         times.append(clock() - start)
+    return times
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, iters: int,
+                     sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """Time several callables round-robin (one call of each per round) and return seconds per call by name.
+
+    On a shared machine a slow spell then hits every candidate alike, so their ratios hold where back-to-back
+    ``time_fn`` runs would charge it to whichever candidate was running."""
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"time_interleaved needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            times[name] += time_fn(fn, warmup=0, iters=1, sync=sync)
     return times
 
 

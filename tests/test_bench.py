@@ -138,3 +138,13 @@ def test_compiled_trace_names_buckets_and_summary_matches_step_time(tmp_path):
     assert abs(step.total_ms / 1e3 - measured) <= 0.1 * measured
     replay = next(s for s in stats if s.name == "replay")
     assert replay.count == 5 and replay.total_ms <= step.total_ms
+
+
+def test_bench_ops_runs_and_reports_ratios(capsys):
+    from compiled_attn import bench_ops
+
+    # the loop, eager and compiled results are compared (2e-2) inside bench_case before anything is timed
+    assert bench_ops.main(["--ops", "mha", "mla", "--batch-size", "1", "--lens", "1024", "--iters", "1",
+                           "--no-malloc-tuning"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled_x" in out and "mha decode" in out and "mla decode" in out and "malloc tuning off" in out

@@ -51,6 +51,19 @@ def test_both_forms_match_reference(cpu_flash, heads, dtype):
     assert err <= TOL[dtype], f"max abs error {err}"
 
 
+@pytest.mark.parametrize("single_request_chunks", [0, 16])  # 0: a single request takes the split form too
+@pytest.mark.parametrize("length", [0, 1, 130])
+def test_single_request_both_ways(monkeypatch, length, single_request_chunks):
+    import compiled_attn.decode as decode
+
+    monkeypatch.setattr(decode, "SINGLE_REQUEST_CHUNKS", single_request_chunks)
+    b = make_batch([length] if length else [3], hq=8, hkv=2, dqk=32, decode=True, seed=length)
+    if not length:  # a query with no key: zeros
+        b.seq_lens = torch.zeros(1, dtype=torch.int64)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=12), 0.3, cpu_flash=True)
+    assert (out.double() - _reference(b, 0.3)).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
 def test_block_flash_chunks_match_plain_block_softmax(chunk_blocks):
     b = _batch(8, 2, seed=5)

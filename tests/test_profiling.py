@@ -232,6 +232,12 @@ def test_timers_and_tables():
     secs = timers.time_fn(lambda: calls.append(1), warmup=2, iters=5, sync=lambda: None)
     assert len(secs) == 5 and len(calls) == 7 and all(s >= 0 for s in secs)
     assert timers.median([3.0, 1.0, 2.0]) == 2.0
+    order = []
+    both = timers.time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=1,
+                                   iters=3)
+    assert order == ["a", "b"] * 4 and {k: len(v) for k, v in both.items()} == {"a": 3, "b": 3}
+    with pytest.raises(ValueError, match="iters >= 1"):
+        timers.time_interleaved({"a": lambda: None}, warmup=0, iters=0)
     with pytest.raises(ValueError):
         timers.median([])
     table = timers.LatencyTable("backend", [1, 8], unit="us")
