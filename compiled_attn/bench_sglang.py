@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from profiling.timers import format_table, median
+from profiling.timers import format_table, median, time_interleaved
 
 from .compile_policy import compile_step
 
@@ -40,25 +40,6 @@ def _harness():
 
     sglang_harness.ensure_sglang_importable()
     return sglang_harness
-
-
-def _time_interleaved(fns: dict, *, iters: int, budget_s: float) -> dict:
-    """Median seconds per call of each ``fns[name]()``, timed in interleaved rounds (one call of each per round)
-    so load from other processes hits every column alike; one warm-up round, then at least 3 and at most
-    ``iters`` rounds, fewer when a round is slow (about ``budget_s`` in all)."""
-    first = 0.0
-    for fn in fns.values():
-        start = time.perf_counter()
-        fn()
-        first += time.perf_counter() - start
-    rounds = max(3, min(iters, int(budget_s / max(first, 1e-6))))
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: median(t) for name, t in times.items()}
 
 
 def _geometries(H):
@@ -118,7 +99,8 @@ def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: f
             row[f"{name} compile_s"] = time.perf_counter() - start
         needed = sum(-(-n // backend.block_size) for n in lens)
         row["blocks"] = f"{needed}/{backend.graph_block_capacity(bs)}"
-    row.update({name: t * 1e3 for name, t in _time_interleaved(fns, iters=iters, budget_s=budget_s).items()})
+    times = time_interleaved(fns, warmup=1, iters=iters, budget_s=budget_s)
+    row.update({name: median(t) * 1e3 for name, t in times.items()})
     row["x eager"] = row["torch_native"] / row["eager"]
     for name in ("compiled", "static"):
         if name in row:

@@ -7,6 +7,9 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
+Two forms compute the blocks. On CPU (one head size, no soft-cap) ``block_flash`` gathers a few blocks at a time
+into L2 and runs ATen's CPU flash kernel on them; a single request skips the split altogether. Elsewhere (CUDA,
+where inductor turns it into fused kernels; MLA's 576/512; soft-capped models) the matmul form below runs.
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
 """
@@ -93,19 +96,16 @@ def decode_blocks(
     """
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    group = hq // hkv
     nblk, block_size = index.slots.shape
-    req = index.block_req.clamp_max(bs - 1)
-    qb = q.index_select(0, req).view(nblk, hkv, group, dqk).float()
     if cpu_flash is None:
         cpu_flash = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash:
         if not supports_block_flash(q, k_cache, v_cache, logit_cap):
             raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
                              f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
-        return _decode_flash(q, qb, k_cache, v_cache, index, scale)
+        return _decode_flash(q, k_cache, v_cache, index, scale)
     flat = index.slots.reshape(-1)
-    qb = qb * scale
+    qb = _block_queries(q, index, hkv) * scale
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
     # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched
@@ -131,9 +131,16 @@ def decode_blocks(
     return out.reshape(bs, hq, dv).to(q.dtype)
 
 
-def _decode_flash(q: torch.Tensor, qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  index: DecodeIndex, scale: float) -> torch.Tensor:
-    """``decode_blocks`` through ``block_flash``. qb: [nblk, Hkv, group, D] float32, each block's queries."""
+def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int) -> torch.Tensor:
+    """Each block's queries, grouped by KV head: q [bs, Hq, D] -> [nblk, Hkv, Hq // Hkv, D] float32."""
+    bs, hq, d = q.shape
+    req = index.block_req.clamp_max(bs - 1)
+    return q.index_select(0, req).view(-1, hkv, hq // hkv, d).float()
+
+
+def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
+                  scale: float) -> torch.Tensor:
+    """``decode_blocks`` through ``block_flash``."""
     bs, hq, d = q.shape
     nblk, block_size = index.slots.shape
     hkv = k_cache.shape[1]
@@ -143,7 +150,7 @@ def _decode_flash(q: torch.Tensor, qb: torch.Tensor, k_cache: torch.Tensor, v_ca
         # of the bucket are masked). Measured at 267/1024/2048 tokens: 0.6x/0.6x/0.8x the split form's time.
         o, _ = block_flash(q.view(1, hkv, hq // hkv, d).float(), k_cache, v_cache, index.slots.view(1, -1), index.valid.view(1, -1), scale, 1)
         return o.reshape(1, hq, d).to(q.dtype)
-    o, lse = block_flash(qb, k_cache, v_cache, index.slots, index.valid, scale, chunk)
+    o, lse = block_flash(_block_queries(q, index, hkv), k_cache, v_cache, index.slots, index.valid, scale, chunk)
     # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
     out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs)
     return out.reshape(bs, hq, d).to(q.dtype)

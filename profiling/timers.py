@@ -47,16 +47,20 @@ def time_fn(fn: Callable[[], Any], *, warmup: int, iters: int,
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, iters: int,
-                     sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+                     sync: Callable[[], Any] | None = None, budget_s: float | None = None) -> dict[str, list[float]]:
     """Time several callables round-robin (one call of each per round) and return seconds per call by name.
 
     On a shared machine a slow spell then hits every candidate alike, so their ratios hold where back-to-back
-    ``time_fn`` runs would charge it to whichever candidate was running."""
+    ``time_fn`` runs would charge it to whichever candidate was running. ``budget_s``: run fewer rounds (but at
+    least 3, or ``iters`` if smaller) when the last warm-up round says ``iters`` rounds would take longer.
+    """
     if warmup < 0 or iters < 1:
         raise ValueError(f"time_interleaved needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    round_s = 0.0
+    for _ in range(warmup):
+        round_s = sum(sum(time_fn(fn, warmup=0, iters=1, sync=sync)) for fn in fns.values())
+    if budget_s is not None and warmup:
+        iters = max(min(3, iters), min(iters, int(budget_s / max(round_s, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,10 @@ def test_timers_and_tables():
     assert order == ["a", "b"] * 4 and {k: len(v) for k, v in both.items()} == {"a": 3, "b": 3}
     with pytest.raises(ValueError, match="iters >= 1"):
         timers.time_interleaved({"a": lambda: None}, warmup=0, iters=0)
+    # a budget smaller than one round still gives 3 rounds; a large one gives iters
+    slow = timers.time_interleaved({"a": lambda: time.sleep(0.01)}, warmup=1, iters=50, budget_s=0.001)
+    assert len(slow["a"]) == 3
+    assert len(timers.time_interleaved({"a": lambda: None}, warmup=1, iters=5, budget_s=10.0)["a"]) == 5
     with pytest.raises(ValueError):
         timers.median([])
     table = timers.LatencyTable("backend", [1, 8], unit="us")
