@@ -4,10 +4,11 @@ attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; 
 
 Per batch size it prints prefill latency and throughput, every decode step's latency (the first one marked),
 the median decode latency and throughput, and the total; then one table of backend x batch size, and a
-self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not).
+self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not). All engines are
+built (and the compiled one warmed) first; then the backends take turns per batch size.
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends) takes 50-80 s on an otherwise idle 2-core CPU (warm / cold inductor cache), under 3 minutes
+all three backends) takes 25-60 s on an otherwise idle 2-core CPU (warm / cold inductor cache), under 3 minutes
 with another job on the machine; measurements taken while other processes held > 10% of the CPUs are flagged.
 ``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
 decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
@@ -137,36 +138,51 @@ def graph_config(args, max_context: int, device: torch.device) -> GraphConfig:
                        disable_cuda_graph=args.disable_cuda_graph, block_size=block, progress=not args.quiet)
 
 
-def run_backend(name: str, model, args, device, profiler=None) -> dict:
+def setup_backend(name: str, model, args, device) -> tuple[Engine, dict]:
+    """The backend's engine (the compiled backend warms every bucket here) and its result record."""
     max_context = args.input_len + args.output_len
     backend = make_backend(name, graph_config(args, max_context, device))
     t0 = time.perf_counter()
     engine = Engine(model, backend, max_batch=max(args.batch_size), max_context=max_context, seed=args.seed)
     setup = {"setup_s": time.perf_counter() - t0, **engine.setup_info}
-    out = {"label": backend.label, "setup": setup, "results": {}}
     if name == "compiled":
         g = engine.backend.graphs
         print(f"[{name}] warm-up before the first request: {setup['warmup_s']:.1f} s for {setup['buckets']} "
               f"buckets (batch {list(g.policy.batch_sizes)} x kv tokens {list(g.policy.kv_capacities)}; "
               f"largest first compile {setup['compile_s']:.1f} s)", flush=True)
+    return engine, {"label": backend.label, "setup": setup, "results": {}}
+
+
+def run_batch(name: str, engine: Engine, args, bs: int, profiler=None) -> dict:
+    """Prefill ``bs`` prompts, decode, release; print and return the batch's report."""
+    share = CpuShare()
+    prefill = engine.admit([args.input_len] * bs, seed=args.seed + bs)
+    if profiler is not None:  # record the decode steps only
+        profiler.toggle_collection_dynamic(True, list(profiler.activities))
+    decode = engine.decode(args.output_len - 1)
+    if profiler is not None:
+        profiler.toggle_collection_dynamic(False, list(profiler.activities))
+    engine.release()
+    res = _summarise(bs, args, prefill, decode)
+    res["cpu_share_of_other_processes"] = share.others()
+    print(format_batch_report(name, engine.backend.label, res), flush=True)
+    return res
+
+
+def run_backends(model, args, device, profiler=None) -> dict:
+    """Every backend's engine first (warm-ups included), then each batch size with the backends taking turns,
+    so a slow spell on this shared machine lands on all of them rather than on whichever ran then."""
+    engines, results = {}, {}
+    for name in args.backend:
+        engines[name], results[name] = setup_backend(name, model, args, device)
     for bs in args.batch_size:
-        share = CpuShare()
-        prefill = engine.admit([args.input_len] * bs, seed=args.seed + bs)
-        if profiler is not None:  # record the decode steps only
-            profiler.toggle_collection_dynamic(True, list(profiler.activities))
-        decode = engine.decode(args.output_len - 1)
-        if profiler is not None:
-            profiler.toggle_collection_dynamic(False, list(profiler.activities))
-        engine.release()
-        res = _summarise(bs, args, prefill, decode)
-        res["cpu_share_of_other_processes"] = share.others()
-        out["results"][bs] = res
-        print(format_batch_report(name, backend.label, res), flush=True)
-    if name == "compiled":
-        out["setup"]["graph_stats"] = [vars(s) for s in engine.backend.graphs.stats]
-        out["setup"]["compiles_after_warmup"] = engine.backend.compiles_since_warmup()
-    del engine
-    return out
+        for name, engine in engines.items():
+            results[name]["results"][bs] = run_batch(name, engine, args, bs, profiler)
+    if "compiled" in engines:
+        graphs = engines["compiled"].backend
+        results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in graphs.graphs.stats]
+        results["compiled"]["setup"]["compiles_after_warmup"] = graphs.compiles_since_warmup()
+    return results
 
 
 def _summarise(bs: int, args, prefill, decode) -> dict:
@@ -213,9 +229,7 @@ def _run(args) -> int:
                                              else []))
         profiler.start()
         profiler.toggle_collection_dynamic(False, list(profiler.activities))
-    results = {}
-    for name in args.backend:
-        results[name] = run_backend(name, model, args, device, profiler)
+    results = run_backends(model, args, device, profiler)
     if profiler is not None:
         profiler.stop()
         profiler.export_chrome_trace(args.trace)

@@ -42,30 +42,38 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     q: [nblk, Hkv, group, D] float32 (a block's queries: its request's heads, grouped by KV head)
     k_cache, v_cache: [num_slots, Hkv, D]; slots: [nblk, block_size] int64; valid: [nblk, block_size] bool
     returns o: [nblk, Hkv, group, D] float32 (normalised within the block, zeros for a block with no valid key)
-    and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores.
+    and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
     """
-    nblk, block_size = slots.shape
     hkv, d = k_cache.shape[1], k_cache.shape[2]
+    o = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+    # A bucket pads the batch with blocks (rows) and a single request with positions (columns) that have no valid
+    # key; they sit after the valid ones. Reading ``valid`` here is a host read of a CPU tensor (this op is
+    # CPU-only), not a device sync, and skipping them makes a compiled bucket cost what its batch needs.
+    rows = valid.any(1).nonzero()
+    if rows.numel() == 0:
+        return o, lse
+    n_rows = int(rows[-1]) + 1
+    n_cols = int(valid[:n_rows].any(0).nonzero()[-1]) + 1
+    slots, valid = slots[:n_rows, :n_cols], valid[:n_rows, :n_cols]
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere
     bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))[:, None, None, :]
     upcast = k_cache.dtype != torch.float32
-    outs, lses = [], []
     # views made once (split), so each iteration is two gathers and one kernel call
-    for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * block_size), q.split(chunk_blocks),
-                                 bias.split(chunk_blocks)):
+    chunks = zip(range(0, n_rows, chunk_blocks), slots.reshape(-1).split(chunk_blocks * n_cols),
+                 q[:n_rows].split(chunk_blocks), bias.split(chunk_blocks))
+    for first, flat, q_c, bias_c in chunks:
         k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
         if upcast:
             k, v = k.float(), v.float()
-        # [n * block_size, Hkv, D] rows viewed as [n, Hkv, block_size, D] without a copy
+        # [n * n_cols, Hkv, D] rows viewed as [n, Hkv, n_cols, D] without a copy
         n = q_c.shape[0]
-        o_c, lse_c = _flash_cpu(q_c, k.view(n, block_size, hkv, d).transpose(1, 2),
-                                v.view(n, block_size, hkv, d).transpose(1, 2), 0.0, False, attn_mask=bias_c,
+        o_c, lse_c = _flash_cpu(q_c, k.view(n, n_cols, hkv, d).transpose(1, 2),
+                                v.view(n, n_cols, hkv, d).transpose(1, 2), 0.0, False, attn_mask=bias_c,
                                 scale=scale)
-        outs.append(o_c)
-        lses.append(lse_c)
-    if not outs:  # no blocks at all
-        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return torch.cat(outs), torch.cat(lses)
+        o[first:first + n] = o_c
+        lse[first:first + n] = lse_c
+    return o, lse
 
 
 @block_flash.register_fake
