@@ -2,7 +2,8 @@
 algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA decode at several batch sizes.
 
 Reports medians, ratios to the loop, and effective GB/s (K/V bytes the batch needs / time) next to a plain copy
-bandwidth measured in the same run.
+bandwidth measured in the same run. The three are timed round-robin (one call of each per round), with glibc's
+allocator tuned as in ``compiled-attn bench`` (``--no-malloc-tuning`` turns that off).
 """
 from __future__ import annotations
 
