@@ -44,25 +44,23 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     returns o: [nblk, Hkv, group, D] float32 (normalised within the block, zeros for a block with no valid key)
     and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
     """
-    hkv, d = k_cache.shape[1], k_cache.shape[2]
-    o = torch.zeros(q.shape, dtype=torch.float32)
-    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+    nblk, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     # A bucket pads the batch with blocks (rows) and a single request with positions (columns) that have no valid
     # key; they sit after the valid ones. Reading ``valid`` here is a host read of a CPU tensor (this op is
     # CPU-only), not a device sync, and skipping them makes a compiled bucket cost what its batch needs.
     rows = valid.any(1).nonzero()
-    if rows.numel() == 0:
-        return o, lse
+    if rows.numel() == 0:  # no key anywhere
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_zeros(q.shape[:3], dtype=torch.float32)
     n_rows = int(rows[-1]) + 1
     n_cols = int(valid[:n_rows].any(0).nonzero()[-1]) + 1
     slots, valid = slots[:n_rows, :n_cols], valid[:n_rows, :n_cols]
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere
-    bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    bias = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
     upcast = k_cache.dtype != torch.float32
+    o_parts, lse_parts = [], []
     # views made once (split), so each iteration is two gathers and one kernel call
-    chunks = zip(range(0, n_rows, chunk_blocks), slots.reshape(-1).split(chunk_blocks * n_cols),
-                 q[:n_rows].split(chunk_blocks), bias.split(chunk_blocks))
-    for first, flat, q_c, bias_c in chunks:
+    for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * n_cols), q[:n_rows].split(chunk_blocks),
+                                 bias.split(chunk_blocks)):
         k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
         if upcast:
             k, v = k.float(), v.float()
@@ -71,9 +69,14 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
         o_c, lse_c = _flash_cpu(q_c, k.view(n, n_cols, hkv, d).transpose(1, 2),
                                 v.view(n, n_cols, hkv, d).transpose(1, 2), 0.0, False, attn_mask=bias_c,
                                 scale=scale)
-        o[first:first + n] = o_c
-        lse[first:first + n] = lse_c
-    return o, lse
+        o_parts.append(o_c)
+        lse_parts.append(lse_c)
+    if n_rows < nblk:  # the skipped blocks: zeros
+        o_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:]), dtype=torch.float32))
+        lse_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:3]), dtype=torch.float32))
+    if len(o_parts) == 1:  # one chunk: the kernel's own outputs, no copy
+        return o_parts[0].contiguous(), lse_parts[0].contiguous()
+    return torch.cat(o_parts), torch.cat(lse_parts)
 
 
 @block_flash.register_fake
