@@ -97,6 +97,30 @@ def test_padded_rows_do_not_leak(warmed):
     assert torch.isfinite(again).all()
 
 
+def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
+    """On CPU the warm-up batch does each bucket's full work: the flash kernel runs in warm-up (on an all-padding
+    batch it would skip everything and leave its first-call costs to the first request), on every key."""
+    import compiled_attn.block_flash as block_flash
+
+    calls = []
+    real = block_flash._flash_cpu
+    def counting(q, k, *args, **kwargs):
+        calls.append(k.shape[2])  # keys per block (per request on the single-request path)
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(block_flash, "_flash_cpu", counting)
+    shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=512, compile=False)
+    graphs.warmup(persistent)
+    keys = [k for r in graphs.runners for k in r.keys]
+    assert len(keys) >= 4 and len(calls) >= len(keys) * shape.num_layers
+    assert max(calls) == MAX_CONTEXT  # bs=1 reads one whole table row (the table width bounds the batch)
+    # the real batch afterwards still matches the plain step (its padding rows are reset by copy_in)
+    meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(5))
+    out = graphs.run(meta, rows, persistent)
+    ref, _ = _plain(step, meta, rows, persistent)
+    torch.testing.assert_close(out, ref[:3], atol=1e-5, rtol=1e-5)
+
+
 def test_no_recompiles_after_warmup(warmed):
     shape, _, graphs, persistent, _, _ = warmed
     gen = torch.Generator().manual_seed(123)
