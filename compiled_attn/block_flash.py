@@ -84,3 +84,32 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
 @block_flash.register_fake
 def _block_flash_fake(q, k_cache, v_cache, slots, valid, scale, chunk_blocks):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
+def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's queries over one sequence of slots whose valid positions come first: a decode request's blocks
+    laid end to end (each block is valid up to the request's end; a bucket's unused blocks follow). One gather and
+    one kernel call, no mask: the short path for a batch of one, where ``block_flash``'s set-up was a third of
+    the time at a few hundred tokens.
+
+    q: [1, Hkv, group, D] float32; k_cache, v_cache: [num_slots, Hkv, D]; slots: [n] int64; valid: [n] bool
+    returns [1, Hkv, group, D] float32 (zeros when no position is valid).
+    """
+    n = int(valid.sum())
+    if n == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32)
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    flat = slots[:n]
+    k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    if k_cache.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    o, _ = _flash_cpu(q, k.view(1, n, hkv, d).transpose(1, 2), v.view(1, n, hkv, d).transpose(1, 2), 0.0, False,
+                      scale=scale)
+    return o.contiguous()
+
+
+@sequence_flash.register_fake
+def _sequence_flash_fake(q, k_cache, v_cache, slots, valid, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
