@@ -25,7 +25,7 @@ import time
 import torch
 
 import profiling
-from profiling.host import CpuShare, tune_malloc
+from profiling.host import CpuShare, add_malloc_flag, tune_malloc
 from profiling.timers import median
 
 from .bench_report import agreement, format_batch_report, format_side_by_side, write_plot
@@ -74,8 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enable-nvtx", action="store_true", help="turn profiling ranges (NVTX + record_function) on")
     p.add_argument("--profile", default="none", choices=["none", "torch"])
     p.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace of the decode steps (--profile torch)")
-    p.add_argument("--no-malloc-tuning", action="store_true",
-                   help="CPU: keep glibc's default of returning large buffers to the OS (see README)")
+    add_malloc_flag(p)
     p.add_argument("--quiet", action="store_true", help="no warm-up progress bar")
     args = p.parse_args(argv)
     _validate(p, args)
@@ -179,9 +178,9 @@ def run_backends(model, args, device, profiler=None) -> dict:
         for name, engine in engines.items():
             results[name]["results"][bs] = run_batch(name, engine, args, bs, profiler)
     if "compiled" in engines:
-        graphs = engines["compiled"].backend
-        results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in graphs.graphs.stats]
-        results["compiled"]["setup"]["compiles_after_warmup"] = graphs.compiles_since_warmup()
+        backend = engines["compiled"].backend
+        results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in backend.graphs.stats]
+        results["compiled"]["setup"]["compiles_after_warmup"] = backend.compiles_since_warmup()
     return results
 
 

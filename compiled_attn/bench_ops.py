@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from profiling.host import tune_malloc
+from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from .compile_policy import compile_step
@@ -83,8 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--no-malloc-tuning", action="store_true",
-                   help="keep glibc's default of returning large buffers to the OS (see compiled-attn bench)")
+    add_malloc_flag(p)
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batch_size):
         p.error("--batch-size values must be >= 1")

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from profiling.host import tune_malloc
+from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn
 
 from .attention_stack import StackShape, make_caches, make_stack_step
@@ -139,8 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--no-malloc-tuning", action="store_true",
-                   help="keep glibc's default of returning large buffers to the OS (see compiled-attn bench)")
+    add_malloc_flag(p)
     args = p.parse_args(argv)
     if min(args.batch_size) < 1 or args.layers < 1 or args.length < 1:
         p.error("--batch-size, --layers and --length must be >= 1")

@@ -8,10 +8,13 @@ gather buffer grows past the allocator's reuse threshold (a whole-batch gather o
 page-faulted afresh every step). Measured on the 2-core CI CPU, MHA bs=32 at mixed lengths: about 2x the
 per-request loop, against 0.9-1.4x for the matmul form.
 
-The chunk loop runs inside a custom op, so ``torch.compile`` sees one opaque call; the number of iterations
-follows the block count (a shape), never tensor values.
+The chunk loop runs inside a custom op, so ``torch.compile`` sees one opaque call. Inside it, the op reads
+``valid`` on the host (a CPU tensor in a CPU-only op, not a device sync) to skip the blocks a bucket pads with;
+the code around it stays free of value-dependent branches.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -29,6 +32,17 @@ def supports_block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1])
 
 
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, flat: torch.Tensor, n: int,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows of ``flat`` ([n * length] slots) as float32 ``[n, Hkv, length, D]`` views of one gather each (the
+    kernel reads the transposed strides, so nothing is copied twice)."""
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    if k_cache.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    return k.view(n, length, hkv, d).transpose(1, 2), v.view(n, length, hkv, d).transpose(1, 2)
+
+
 def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """How many blocks one gathered chunk holds so that its float32 K fits ``CHUNK_BYTES``."""
     return max(1, CHUNK_BYTES // (block_size * num_kv_heads * head_dim * 4))
@@ -44,7 +58,7 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     returns o: [nblk, Hkv, group, D] float32 (normalised within the block, zeros for a block with no valid key)
     and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
     """
-    nblk, hkv, d = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+    nblk = q.shape[0]
     # A bucket pads the batch with blocks (rows) and a single request with positions (columns) that have no valid
     # key; they sit after the valid ones. Reading ``valid`` here is a host read of a CPU tensor (this op is
     # CPU-only), not a device sync, and skipping them makes a compiled bucket cost what its batch needs.
@@ -57,20 +71,13 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere. None when every key
     # is valid (a single request's exact range, a batch of whole blocks): the kernel is 4-11% faster without one
     bias = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
-    upcast = k_cache.dtype != torch.float32
     o_parts, lse_parts = [], []
     # views made once (split), so each iteration is two gathers and one kernel call
-    biases = bias.split(chunk_blocks) if bias is not None else [None] * -(-n_rows // chunk_blocks)
+    biases = bias.split(chunk_blocks) if bias is not None else itertools.repeat(None)
     for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * n_cols), q[:n_rows].split(chunk_blocks),
                                  biases):
-        k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
-        if upcast:
-            k, v = k.float(), v.float()
-        # [n * n_cols, Hkv, D] rows viewed as [n, Hkv, n_cols, D] without a copy
-        n = q_c.shape[0]
-        o_c, lse_c = _flash_cpu(q_c, k.view(n, n_cols, hkv, d).transpose(1, 2),
-                                v.view(n, n_cols, hkv, d).transpose(1, 2), 0.0, False, attn_mask=bias_c,
-                                scale=scale)
+        k, v = _gather_kv(k_cache, v_cache, flat, q_c.shape[0], n_cols)
+        o_c, lse_c = _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
         o_parts.append(o_c)
         lse_parts.append(lse_c)
     if n_rows < nblk:  # the skipped blocks: zeros
@@ -100,13 +107,8 @@ def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     n = int(valid.sum())
     if n == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
-    hkv, d = k_cache.shape[1], k_cache.shape[2]
-    flat = slots[:n]
-    k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
-    if k_cache.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    o, _ = _flash_cpu(q, k.view(1, n, hkv, d).transpose(1, 2), v.view(1, n, hkv, d).transpose(1, 2), 0.0, False,
-                      scale=scale)
+    k, v = _gather_kv(k_cache, v_cache, slots[:n], 1, n)
+    o, _ = _flash_cpu(q, k, v, 0.0, False, scale=scale)
     return o.contiguous()
 
 

@@ -8,7 +8,8 @@ softmax (its max, its sum, its weighted V); the blocks of one request are merged
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
 Two forms compute the blocks. On CPU (one head size, no soft-cap) ``block_flash`` gathers a few blocks at a time
-into L2 and runs ATen's CPU flash kernel on them; a single request skips the split altogether. Elsewhere (CUDA,
+into L2 and runs ATen's CPU flash kernel on them (a single request skips the split: ``sequence_flash``); those
+two are opaque custom ops that read ``valid`` on the host to skip a bucket's padding. Elsewhere (CUDA,
 where inductor turns it into fused kernels; MLA's 576/512; soft-capped models) the matmul form below runs.
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
@@ -102,10 +103,11 @@ def decode_blocks(
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     nblk, block_size = index.slots.shape
+    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash is None:
-        cpu_flash = supports_block_flash(q, k_cache, v_cache, logit_cap)
+        cpu_flash = flash_fits
     if cpu_flash:
-        if not supports_block_flash(q, k_cache, v_cache, logit_cap):
+        if not flash_fits:
             raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
                              f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
         return _decode_flash(q, k_cache, v_cache, index, scale)

@@ -7,7 +7,13 @@ import os
 import sys
 import time
 
-__all__ = ["CpuShare", "tune_malloc"]
+__all__ = ["CpuShare", "add_malloc_flag", "tune_malloc"]
+
+
+def add_malloc_flag(parser) -> None:
+    """The benchmarks' shared ``--no-malloc-tuning`` switch (they call ``tune_malloc`` unless it is given)."""
+    parser.add_argument("--no-malloc-tuning", action="store_true",
+                        help="CPU: keep glibc's default of returning large buffers to the OS (see README)")
 
 
 def tune_malloc() -> bool:
