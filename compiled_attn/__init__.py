@@ -1,15 +1,36 @@
-"""compiled-attn: static-shape, compiled, graph-captured torch-native attention (MHA and MLA) for LLM serving."""
-from .api import decode_attention, decode_index, extend_attention, extend_index, v_is_prefix_of_k
-from .decode import DecodeIndex, build_decode_index, decode_blocks
-from .extend import ExtendIndex, build_extend_index, extend_padded
-from .kv_pool import PAD_REQ_ROW, PAD_SLOT, MHAKVPool, MLAKVPool, ReqToTokenTable, SlotAllocator, write_kv
-from .metadata import DecodeMetadata, ExtendMetadata
-from .plan import DEFAULT_BLOCK_SIZE, plan_decode, plan_extend
+"""compiled-attn: static-shape, compiled, graph-captured torch-native attention (MHA and MLA) for LLM serving.
 
-__all__ = [
-    "decode_attention", "extend_attention", "decode_index", "extend_index", "v_is_prefix_of_k",
-    "DecodeIndex", "build_decode_index", "decode_blocks",
-    "ExtendIndex", "build_extend_index", "extend_padded",
-    "MHAKVPool", "MLAKVPool", "ReqToTokenTable", "SlotAllocator", "write_kv", "PAD_SLOT", "PAD_REQ_ROW",
-    "DecodeMetadata", "ExtendMetadata", "DEFAULT_BLOCK_SIZE", "plan_decode", "plan_extend",
-]
+The library is this package's top level (plan, run, KV pools, compile policy, bucketed decode graphs); its SGLang
+integration is ``compiled_attn.sglang`` and its benchmark tooling ``compiled_attn.bench``.
+
+Names are imported on first use: SGLang imports ``compiled_attn.sglang.plugin`` in each of its processes, and
+that must not pull in the kernels (and register their custom ops) until the backend is created.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "api": ["decode_attention", "extend_attention", "v_is_prefix_of_k"],
+    "decode": ["DecodeIndex", "build_decode_index", "decode_blocks"],
+    "extend": ["ExtendIndex", "build_extend_index", "extend_padded"],
+    "kv_pool": ["PAD_REQ_ROW", "PAD_SLOT", "MHAKVPool", "MLAKVPool", "ReqToTokenTable", "SlotAllocator", "write_kv"],
+    "metadata": ["DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata"],
+    "plan": ["DEFAULT_BLOCK_SIZE", "normalize_window", "plan_decode", "plan_extend"],
+    "decode_graphs": ["DecodeGraphs", "GraphConfig", "RowInput"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'compiled_attn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,29 +1,16 @@
 """The public one-call functions: ``plan`` (host checks, metadata) followed by ``run`` (pure tensor code).
 
 For repeated layers of one batch, call ``plan_*`` once, ``build_*_index`` once, then ``decode_blocks`` /
-``extend_padded`` per layer, as the backend and the captured decode step do.
+``extend_padded`` per layer, as the SGLang backend and the captured decode step do.
 """
 from __future__ import annotations
 
 import torch
 
 from . import validate
-from .decode import DecodeIndex, build_decode_index, decode_blocks
-from .extend import ExtendIndex, build_extend_index, extend_padded
-from .metadata import DecodeMetadata, ExtendMetadata
+from .decode import build_decode_index, decode_blocks
+from .extend import build_extend_index, extend_padded
 from .plan import plan_decode, plan_extend
-
-
-def decode_index(req_to_token: torch.Tensor, meta: DecodeMetadata) -> DecodeIndex:
-    return build_decode_index(req_to_token, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids,
-                              meta.block_offsets)
-
-
-def extend_index(req_to_token: torch.Tensor, meta: ExtendMetadata) -> ExtendIndex:
-    token_ids = torch.arange(meta.num_tokens, device=meta.q_ids.device)
-    return build_extend_index(req_to_token, meta.req_rows, meta.kv_lo, meta.kv_len, meta.q_first, meta.q_len,
-                              meta.q_offsets, meta.q_ids, meta.kv_ids, token_ids, causal=meta.causal,
-                              sliding_window=meta.sliding_window)
 
 
 def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -50,8 +37,8 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     validate.check_window_and_cap(None, logit_cap)
     meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn)
-    return decode_blocks(q, k_cache, v_cache, decode_index(req_to_token, meta), _scale(scale, q.shape[2]),
-                         logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache))
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(req_to_token, meta.inputs),
+                         _scale(scale, q.shape[2]), logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache))
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
@@ -69,5 +56,5 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                        is_cross_attn=is_cross_attn)
     if meta.num_tokens == 0:  # nothing to gather from an empty q
         return q.new_zeros(0, q.shape[1], v_cache.shape[2])
-    return extend_padded(q, k_cache, v_cache, extend_index(req_to_token, meta), _scale(scale, q.shape[2]),
-                         logit_cap)
+    index = build_extend_index(req_to_token, meta.inputs, causal=meta.causal, sliding_window=meta.sliding_window)
+    return extend_padded(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap)

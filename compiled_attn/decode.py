@@ -20,12 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from graphs import cdiv
+
 from .block_flash import (
     block_flash,
     chunk_blocks_for,
     sequence_flash,
     supports_block_flash,
 )
+from .metadata import DecodeInputs
 
 #: a single request is attended in one kernel call (no split, no merge) up to this many L2-sized chunks (16 MiB of
 #: float32 K for llama-3-8b's 8 KV heads: 4096 tokens); past it the chunked split form was faster (8192 tokens)
@@ -46,25 +49,18 @@ class DecodeIndex:
     valid: torch.Tensor
 
 
-def build_decode_index(
-    req_to_token: torch.Tensor,
-    req_rows: torch.Tensor,
-    kv_lo: torch.Tensor,
-    kv_hi: torch.Tensor,
-    block_ids: torch.Tensor,
-    block_offsets: torch.Tensor,
-) -> DecodeIndex:
+def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs) -> DecodeIndex:
     """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
 
-    req_to_token: [max_reqs, max_context_len] int32
-    req_rows, kv_lo, kv_hi: [bs] int64 (padded rows: row 0, empty range)
-    block_ids: [num_blocks] int64 = arange(num_blocks); its length is the block capacity
-    block_offsets: [block_size] int64 = arange(block_size)
+    req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs``, or a
+    captured step's static buffers): the length of ``block_ids`` is the block capacity, of ``block_offsets`` the
+    block size.
     """
+    req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
     lens = (kv_hi - kv_lo).clamp_min(0)
-    blocks_per_req = (lens + block_size - 1) // block_size  # [bs]
+    blocks_per_req = cdiv(lens, block_size)  # [bs]
     ends = torch.cumsum(blocks_per_req, 0)  # [bs]
     firsts = ends - blocks_per_req
     # block j belongs to the first request whose end exceeds j; blocks past the total map to row `bs`

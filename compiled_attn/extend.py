@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .metadata import ExtendInputs
+
 
 @dataclass
 class ExtendIndex:
@@ -31,22 +33,10 @@ class ExtendIndex:
     out_gather: torch.Tensor
 
 
-def build_extend_index(
-    req_to_token: torch.Tensor,
-    req_rows: torch.Tensor,
-    kv_lo: torch.Tensor,
-    kv_len: torch.Tensor,
-    q_first: torch.Tensor,
-    q_len: torch.Tensor,
-    q_offsets: torch.Tensor,
-    q_ids: torch.Tensor,
-    kv_ids: torch.Tensor,
-    token_ids: torch.Tensor,
-    *,
-    causal: bool,
-    sliding_window: int | None,
-) -> ExtendIndex:
-    """Pure tensor code; arguments as in ``ExtendMetadata``; ``token_ids: [num_tokens]`` arange."""
+def build_extend_index(req_to_token: torch.Tensor, inputs: ExtendInputs, *, causal: bool,
+                       sliding_window: int | None) -> ExtendIndex:
+    """Pure tensor code. req_to_token: [max_reqs, max_context_len] int32; inputs: ``plan_extend(...).inputs``."""
+    req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, q_ids, kv_ids, token_ids = inputs
     q_cap = q_ids.shape[0]
     q_valid = q_ids[None, :] < q_len[:, None]  # [bs, q_cap]
     q_gather = torch.where(q_valid, q_offsets[:, None] + q_ids[None, :], 0)

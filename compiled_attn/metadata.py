@@ -1,25 +1,27 @@
 """Per-batch metadata built by ``plan``: small tensors padded to a batch bucket, plus shape carriers.
 
-Capacities are carried as the *lengths* of ``arange`` tensors (``block_ids``, ``q_ids``, ``kv_ids``), never as
-Python ints, so a compiled ``run`` sees one tensor signature per bucket and new values never recompile it.
+Each stage has one named type for the tensors its per-step index builder reads (``DecodeInputs``,
+``ExtendInputs``): ``plan_*`` returns them inside the metadata, ``build_*_index`` takes them, and a captured
+step's static buffers hold exactly their fields. Capacities are carried as the *lengths* of ``arange`` tensors
+(``block_ids``, ``q_ids``, ``kv_ids``), never as Python ints, so a compiled step sees one tensor signature per
+bucket and new values never recompile it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass
-class DecodeMetadata:
-    """Decode batch, padded to ``bs_cap`` rows (padded rows: row 0, empty range).
+class DecodeInputs(NamedTuple):
+    """The per-step tensors of a decode batch (padded rows: row 0, empty range).
 
     req_rows:      [bs_cap] int64, request row in req_to_token
     kv_lo, kv_hi:  [bs_cap] int64, the key positions ``[kv_lo, kv_hi)`` each request reads
     block_ids:     [num_blocks] int64 arange, the block capacity of this bucket
     block_offsets: [block_size] int64 arange
-    num_real:      real batch size (rows past it are padding)
-    blocks_needed: blocks the real batch uses (<= num_blocks)
     """
 
     req_rows: torch.Tensor
@@ -27,21 +29,16 @@ class DecodeMetadata:
     kv_hi: torch.Tensor
     block_ids: torch.Tensor
     block_offsets: torch.Tensor
-    num_real: int
-    blocks_needed: int
 
-    def step_inputs(self) -> dict[str, torch.Tensor]:
-        """The tensors a captured decode step reads, by name."""
-        return {"req_rows": self.req_rows, "kv_lo": self.kv_lo, "kv_hi": self.kv_hi,
-                "block_ids": self.block_ids, "block_offsets": self.block_offsets}
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> DecodeInputs:
+        """The fields picked by name from a mapping that may hold more (a captured step's static buffers)."""
+        return cls(*(tensors[name] for name in cls._fields))
 
 
-@dataclass
-class ExtendMetadata:
-    """Extend batch, padded to ``[bs_cap, q_cap]`` queries and ``[bs_cap, kv_cap]`` keys per request.
-
-    Key ``j`` of request ``b`` is position ``kv_lo[b] + j`` of its req_to_token row; query ``i`` sits at
-    ``q_first[b] + i`` in the same coordinates (so causal is ``j <= q_first + i``).
+class ExtendInputs(NamedTuple):
+    """The per-step tensors of an extend batch. Key ``j`` of request ``b`` is position ``kv_lo[b] + j`` of its
+    req_to_token row; query ``i`` sits at ``q_first[b] + i`` in the same coordinates (causal: ``j <= q_first + i``).
 
     req_rows:      [bs_cap] int64
     kv_lo:         [bs_cap] int64, first key position read (encoder offset, sliding-window start)
@@ -50,8 +47,7 @@ class ExtendMetadata:
     q_len:         [bs_cap] int64, new tokens (queries) of the request
     q_offsets:     [bs_cap] int64, where the request's queries start in the packed q
     q_ids:         [q_cap] int64 arange; kv_ids: [kv_cap] int64 arange
-    causal, sliding_window: per-layer settings, static
-    num_real, num_tokens: real batch size and packed query count
+    token_ids:     [num_tokens] int64 arange over the packed queries
     """
 
     req_rows: torch.Tensor
@@ -62,6 +58,35 @@ class ExtendMetadata:
     q_offsets: torch.Tensor
     q_ids: torch.Tensor
     kv_ids: torch.Tensor
+    token_ids: torch.Tensor
+
+
+@dataclass
+class DecodeMetadata:
+    """A planned decode batch: its step inputs (padded to ``bs_cap`` rows) and what the host knows about it.
+
+    num_real:      real batch size (rows past it are padding)
+    blocks_needed: blocks the real batch uses (<= num_blocks)
+    """
+
+    inputs: DecodeInputs
+    num_real: int
+    blocks_needed: int
+
+    @property
+    def block_size(self) -> int:
+        return self.inputs.block_offsets.shape[0]
+
+
+@dataclass
+class ExtendMetadata:
+    """A planned extend batch: its step inputs, the per-layer static settings, and host counts.
+
+    causal, sliding_window: static settings (one compiled graph per value)
+    num_real, num_tokens: real batch size and packed query count
+    """
+
+    inputs: ExtendInputs
     causal: bool
     sliding_window: int | None
     num_real: int

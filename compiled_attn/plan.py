@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from graphs import cdiv
+
 from . import validate
-from .metadata import DecodeMetadata, ExtendMetadata
+from .metadata import DecodeInputs, DecodeMetadata, ExtendInputs, ExtendMetadata
 
 DEFAULT_BLOCK_SIZE = 64
 
 
-def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + b - 1) // b
-
-
-def _normalize_window(sliding_window):
-    # SGLang spells "no window" as -1
+def normalize_window(sliding_window):
+    """SGLang spells "no window" as -1 (``RadixAttention.sliding_window_size``); ours is None."""
     return None if sliding_window is None or sliding_window == -1 else sliding_window
 
 
@@ -87,25 +85,24 @@ def plan_decode(
     rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
     lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
     enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
-    sliding_window = _normalize_window(sliding_window)
+    sliding_window = normalize_window(sliding_window)
     validate.check_window_and_cap(sliding_window, None)
     if is_cross_attn and sliding_window is not None:
         raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
     lo, hi = decode_kv_range(lens, enc, sliding_window, is_cross_attn)
     validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
                           "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
-    needed = int(_ceil_div(hi - lo, block_size).sum()) if bs else 0
+    needed = int(cdiv(hi - lo, block_size).sum()) if bs else 0
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
-    return DecodeMetadata(
+    inputs = DecodeInputs(
         req_rows=_pad(rows, bs_cap).to(device),
         kv_lo=_pad(lo, bs_cap).to(device),
         kv_hi=_pad(hi, bs_cap).to(device),
         block_ids=torch.arange(nblk, device=device),
         block_offsets=torch.arange(block_size, device=device),
-        num_real=bs,
-        blocks_needed=needed,
     )
+    return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed)
 
 
 def plan_extend(
@@ -140,7 +137,7 @@ def plan_extend(
     prefix = validate.check_lengths("extend_prefix_lens", extend_prefix_lens, bs, device)
     ext = validate.check_lengths("extend_seq_lens", extend_seq_lens, bs, device)
     enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
-    sliding_window = _normalize_window(sliding_window)
+    sliding_window = normalize_window(sliding_window)
     validate.check_window_and_cap(sliding_window, None)
     if not torch.equal(prefix + ext, lens):
         bad = int(torch.nonzero(prefix + ext != lens)[0, 0])
@@ -166,7 +163,7 @@ def plan_extend(
     q_cap = _capacity("q_capacity", q_capacity, int(ext.max()) if bs else 0)
     kv_cap = _capacity("kv_capacity", kv_capacity, int(kv_len.max()) if bs else 0)
     offsets = torch.cumsum(ext, 0) - ext
-    return ExtendMetadata(
+    inputs = ExtendInputs(
         req_rows=_pad(rows, bs_cap).to(device),
         kv_lo=_pad(lo, bs_cap).to(device),
         kv_len=_pad(kv_len, bs_cap).to(device),
@@ -175,8 +172,6 @@ def plan_extend(
         q_offsets=_pad(offsets, bs_cap, fill=num_tokens).to(device),
         q_ids=torch.arange(q_cap, device=device),
         kv_ids=torch.arange(kv_cap, device=device),
-        causal=causal,
-        sliding_window=sliding_window,
-        num_real=bs,
-        num_tokens=num_tokens,
+        token_ids=torch.arange(num_tokens, device=device),
     )
+    return ExtendMetadata(inputs, causal=causal, sliding_window=sliding_window, num_real=bs, num_tokens=num_tokens)

@@ -3,7 +3,7 @@
 ``graphs`` knows nothing about attention: it compiles and (on CUDA) captures any step function of
 static-shape tensors, one graph per bucket, all before the first real step.
 
-* ``BucketPolicy`` / ``DEFAULT_BATCH_SIZES``: which (batch size, kv capacity) shapes get a graph.
+* ``BucketPolicy`` / ``DEFAULT_BATCH_SIZES``: which (batch size, kv capacity) shapes get a graph; ``cdiv``.
 * ``BufferSpec`` / ``StaticBuffers``: one bucket's inputs, allocated once, refilled in place.
 * ``GraphRunner``: ``warmup(persistent)`` then ``run(key, real_inputs, persistent)``; CUDA-graph replay on
   CUDA, compiled replay on static buffers on CPU, an eager/compiled fallback beyond the largest bucket.
@@ -11,7 +11,7 @@ static-shape tensors, one graph per bucket, all before the first real step.
 Imports only torch, tqdm and ``profiling``.
 """
 
-from graphs.buckets import DEFAULT_BATCH_SIZES, BucketPolicy, kv_capacities
+from graphs.buckets import DEFAULT_BATCH_SIZES, BucketPolicy, cdiv, kv_capacities
 from graphs.runner import GraphRunner, Outputs, RunnerStats, StepFn
 from graphs.static_buffers import BufferSpec, StaticBuffers
 
@@ -24,5 +24,6 @@ __all__ = [
     "RunnerStats",
     "StaticBuffers",
     "StepFn",
+    "cdiv",
     "kv_capacities",
 ]

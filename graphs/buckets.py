@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["DEFAULT_BATCH_SIZES", "BucketPolicy", "kv_capacities"]
+__all__ = ["DEFAULT_BATCH_SIZES", "BucketPolicy", "cdiv", "kv_capacities"]
 
 # SGLang's default capture list (``cuda_graph_runner.get_batch_sizes_to_capture``, padding enabled).
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12) + tuple(range(16, 257, 8))
@@ -26,8 +26,13 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12) + tuple(range(16, 257, 8
 KV_ALIGN = 64
 
 
+def cdiv(n, d):
+    """Ceiling division of a non-negative int or integer tensor ``n`` by a positive ``d``."""
+    return (n + d - 1) // d
+
+
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 def _normalize(name: str, values: Iterable[int]) -> tuple[int, ...]:

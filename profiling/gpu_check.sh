@@ -30,12 +30,12 @@ timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests 2>&1 | tee "$
 
 log "decode step, 4 layers, graph replay vs eager"
 for model in mha mla; do
-    timeout 90 python3 -m compiled_attn.bench_step --device cuda --model "$model" --layers 4 --batch-size 1 8 32 \
+    timeout 90 python3 -m compiled_attn.bench.step --device cuda --model "$model" --layers 4 --batch-size 1 8 32 \
         --cuda-graph-bs 1 8 32 --iters 20 --quiet --json "$OUT/step_$model.json" 2>&1 | tee -a "$OUT/summary.txt" | tail -8
 done
 
 log "model bench"
-timeout 150 python3 -m compiled_attn.bench --device cuda --model llama-3-8b --layers 2 --batch-size 1 8 32 \
+timeout 150 python3 -m compiled_attn.bench.latency --device cuda --model llama-3-8b --layers 2 --batch-size 1 8 32 \
     --input-len 512 --output-len 8 --cuda-graph-bs 1 8 32 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -20
 
 if command -v nsys >/dev/null 2>&1; then
@@ -44,7 +44,7 @@ if command -v nsys >/dev/null 2>&1; then
         --backend compiled --device cuda 2>&1 | tail -30 | tee -a "$OUT/summary.txt"
 else
     log "nsys not on PATH: torch.profiler summary instead"
-    timeout 90 python3 -m compiled_attn.bench --device cuda --model tiny-llama --batch-size 8 --output-len 4 \
+    timeout 90 python3 -m compiled_attn.bench.latency --device cuda --model tiny-llama --batch-size 8 --output-len 4 \
         --backend compiled --enable-nvtx --profile torch --trace "$OUT/trace.json" >/dev/null 2>&1 \
         && python3 -m profiling.summary "$OUT/trace.json" 2>&1 | head -30 | tee -a "$OUT/summary.txt"
 fi

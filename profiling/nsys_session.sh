@@ -3,7 +3,7 @@
 #
 # Usage:
 #   profiling/nsys_session.sh [bench args...]
-#   OUT=/tmp/prof profiling/nsys_session.sh --backend compiled --batch-sizes 1,8,64
+#   OUT=/tmp/prof profiling/nsys_session.sh --backend compiled --batch-size 1 8 64
 #
 # Steps:
 #   1. nsys profile --trace=cuda,nvtx,osrt --cuda-graph-trace=node -o $OUT/bench --force-overwrite true \

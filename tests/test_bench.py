@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from compiled_attn import bench
+from compiled_attn.bench import latency as bench
 
 RESULT_FIELDS = {"batch_size", "input_len", "output_len", "prefill_latency_s", "prefill_throughput_tok_s",
                  "decode_latencies_s", "decode_buckets", "first_decode_s", "median_decode_s",
@@ -29,7 +29,7 @@ def test_json_has_every_field(tmp_path, capsys):
     rc, out = _run(tmp_path, "--model", "tiny-llama", "--batch-size", "1", "3", "--input-len", "12",
                    "--output-len", "5", "--cuda-graph-bs", "1", "4", "--no-enable-torch-compile")
     assert rc == 0
-    assert set(out["backends"]) == {"loop", "static", "compiled"}
+    assert set(out["backends"]) == {"loop", "eager", "compiled"}
     for name, res in out["backends"].items():
         assert res["label"].startswith(name)
         assert set(res["results"]) == {"1", "3"}
@@ -64,7 +64,7 @@ def test_bad_flags_one_line(argv, message, capsys):
 
 
 def test_bad_flag_no_traceback_from_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "compiled_attn.bench", "--model", "tiny-llama", "--batch-size",
+    proc = subprocess.run([sys.executable, "-m", "compiled_attn.bench.latency", "--model", "tiny-llama", "--batch-size",
                            "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -89,7 +89,7 @@ def test_plot_needs_matplotlib_one_clear_line(tmp_path, capsys):
 def test_torch_trace_has_decode_and_layer_ranges(tmp_path):
     trace = tmp_path / "trace.json"
     rc = bench.main(["--model", "tiny-llama", "--layers", "2", "--batch-size", "2", "--input-len", "6",
-                     "--output-len", "3", "--backend", "loop", "static", "--profile", "torch", "--trace",
+                     "--output-len", "3", "--backend", "loop", "eager", "--profile", "torch", "--trace",
                      str(trace), "--quiet", "--no-malloc-tuning"])
     assert rc == 0
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
@@ -141,7 +141,7 @@ def test_compiled_trace_names_buckets_and_summary_matches_step_time(tmp_path):
 
 
 def test_bench_ops_runs_and_reports_ratios(capsys):
-    from compiled_attn import bench_ops
+    from compiled_attn.bench import ops as bench_ops
 
     # the loop, eager and compiled results are compared (2e-2) inside bench_case before anything is timed
     assert bench_ops.main(["--ops", "mha", "mla", "--batch-size", "1", "--lens", "1024", "--iters", "1",

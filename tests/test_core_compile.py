@@ -2,21 +2,20 @@
 import torch
 from torch._dynamo.utils import counters
 
-from batch_factory import make_batch
+from compiled_attn.bench.batches import make_batch
 from compiled_attn import (build_decode_index, build_extend_index, decode_blocks, extend_padded, plan_decode,
                            plan_extend)
 from compiled_attn.compile_policy import compile_step
 from reference import reference_attention
 
 
-def decode_step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets):
-    index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
+def decode_step(q, k_cache, v_cache, table, inputs):
+    index = build_decode_index(table, inputs)
     return decode_blocks(q, k_cache, v_cache, index, 0.25)
 
 
-def extend_step(q, k_cache, v_cache, table, m, token_ids):
-    index = build_extend_index(table, m["req_rows"], m["kv_lo"], m["kv_len"], m["q_first"], m["q_len"],
-                               m["q_offsets"], m["q_ids"], m["kv_ids"], token_ids, causal=True, sliding_window=None)
+def extend_step(q, k_cache, v_cache, table, inputs):
+    index = build_extend_index(table, inputs, causal=True, sliding_window=None)
     return extend_padded(q, k_cache, v_cache, index, 0.25)
 
 
@@ -35,7 +34,7 @@ def test_decode_compiles_once_for_new_lengths():
                            block_capacity=8)
         q = torch.zeros(8, 4, 16)
         q[:4] = b.q
-        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, *meta.step_inputs().values())
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
         ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, seq, (seq - 1).clamp_min(0),
                                   torch.ones(4, dtype=torch.long), scale=0.25)
         ref[seq == 0] = 0
@@ -47,8 +46,7 @@ def test_decode_compiles_once_for_new_lengths():
 def _extend_meta(b, seq, prefix):
     meta = plan_extend(b.q[: int((seq - prefix).sum())], b.k_cache, b.v_cache, b.req_to_token, b.rows, seq,
                        prefix, seq - prefix, batch_capacity=4, q_capacity=40, kv_capacity=64)
-    return {k: getattr(meta, k) for k in ("req_rows", "kv_lo", "kv_len", "q_first", "q_len", "q_offsets",
-                                           "q_ids", "kv_ids")}
+    return meta.inputs
 
 
 def test_extend_compiles_once_for_new_lengths():
@@ -60,7 +58,7 @@ def test_extend_compiles_once_for_new_lengths():
     for seq, prefix in (([40, 20, 9], [10, 0, 2]), ([30, 30, 12], [0, 8, 7]), ([64, 1, 22], [30, 0, 0])):
         seq, prefix = torch.tensor(seq), torch.tensor(prefix)
         q = b.q[: int((seq - prefix).sum())]
-        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, _extend_meta(b, seq, prefix), torch.arange(q.shape[0]))
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, _extend_meta(b, seq, prefix))
         ref = reference_attention(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, seq, prefix, seq - prefix,
                                   scale=0.25)
         assert (out.double() - ref).abs().max() < 1e-4

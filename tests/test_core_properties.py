@@ -3,7 +3,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_factory import make_batch
+from compiled_attn.bench.batches import make_batch
 from compiled_attn import decode_attention, extend_attention
 from reference import reference_attention
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from batch_factory import make_batch
+from compiled_attn.bench.batches import make_batch
 from compiled_attn import decode_attention, extend_attention
 from reference import reference_attention
 

@@ -4,7 +4,7 @@ against a plain per-block softmax, and the automatic choice."""
 import pytest
 import torch
 
-from batch_factory import make_batch
+from compiled_attn.bench.batches import make_batch
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.block_flash import block_flash, chunk_blocks_for, supports_block_flash
 from compiled_attn.compile_policy import compile_step
@@ -26,8 +26,7 @@ def _batch(hq, hkv, dtype=torch.float32, seed=0):
 def _index(b, block_size=16, block_capacity=None):
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        block_capacity=block_capacity)
-    return build_decode_index(b.req_to_token, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids,
-                              meta.block_offsets)
+    return build_decode_index(b.req_to_token, meta.inputs)
 
 
 def _reference(b, scale):
@@ -108,13 +107,13 @@ def test_automatic_choice():
 def test_both_forms_compile_fullgraph(cpu_flash):
     torch._dynamo.reset()
 
-    def step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets):
-        index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
+    def step(q, k_cache, v_cache, table, inputs):
+        index = build_decode_index(table, inputs)
         return decode_blocks(q, k_cache, v_cache, index, 0.3, cpu_flash=cpu_flash)
 
     fn = compile_step(step)
     for seed in (0, 1):
         b = _batch(8, 2, seed=seed)
         meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16)
-        out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, *meta.step_inputs().values())
+        out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
         assert (out.double() - _reference(b, 0.3)).abs().max() < 1e-4

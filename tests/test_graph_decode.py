@@ -6,21 +6,24 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from compiled_attn.attention_stack import StackShape, make_caches, make_stack_step
-from compiled_attn.graph_decode import DecodeGraphs, GraphConfig, RowInput
+from compiled_attn.bench.attention_stack import make_caches, make_stack_step
+from compiled_attn.bench.batches import assign_requests
+from compiled_attn.bench.models import get_attention_shape
+from compiled_attn.decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from compiled_attn.plan import plan_decode
 
 BUCKETS = [1, 2, 4, 8, 16]
 MAX_CONTEXT = 64
+NUM_LAYERS = 2
 
 
 def _setup(device="cpu", model="tiny-mha", buckets=BUCKETS, max_kv=1024, compile=True):
-    shape = StackShape.preset(model, num_layers=2)
-    persistent = make_caches(shape, 2048, device=device)
+    shape = get_attention_shape(model)
+    persistent = make_caches(shape, NUM_LAYERS, 2048, device=device)
     for t in persistent.values():
         t.normal_()
     persistent["req_to_token"] = torch.zeros(40, MAX_CONTEXT, dtype=torch.int32, device=device)
-    step = make_stack_step(shape)
+    step = make_stack_step(shape, NUM_LAYERS)
     config = GraphConfig(max_batch_size=max(buckets), max_kv_tokens=max_kv, cuda_graph_bs=buckets,
                          enable_torch_compile=compile, progress=False)
     graphs = DecodeGraphs(step, config=config, device=device,
@@ -36,13 +39,7 @@ def _batch(shape, persistent, bs, gen, block_size=64):
     num_slots = persistent["k0"].shape[0]
     lens = torch.randint(0, MAX_CONTEXT + 1, (bs,), generator=gen)
     lens[torch.randint(0, bs, (1,), generator=gen)] = max(1, int(lens.max()))
-    rows = torch.randperm(table.shape[0] - 1, generator=gen)[:bs] + 1
-    slots = torch.randperm(num_slots - 1, generator=gen)[: int(lens.sum())] + 1
-    table[rows] = 0
-    used = 0
-    for r, n in zip(rows.tolist(), lens.tolist()):
-        table[r, :n] = slots[used:used + n].to(torch.int32).to(dev)
-        used += n
+    rows = assign_requests(table, num_slots, lens.tolist(), gen).cpu()
     x = torch.randn(bs, shape.hq, shape.dqk, generator=gen).to(dev)
     # the new token's slot is the request's last position; an empty request writes the padding slot
     loc = torch.where(lens > 0, table[rows, (lens - 1).clamp_min(0)].cpu().long(), 0).to(dev)
@@ -53,7 +50,7 @@ def _batch(shape, persistent, bs, gen, block_size=64):
 
 def _plain(step, meta, rows, persistent):
     clone = {k: v.clone() for k, v in persistent.items()}
-    return step({**meta.step_inputs(), **rows}, clone), clone
+    return step({**meta.inputs._asdict(), **rows}, clone), clone
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +109,7 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
     shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=512, compile=False)
     graphs.warmup(persistent)
     keys = [k for r in graphs.runners for k in r.keys]
-    assert len(keys) >= 4 and len(calls) >= len(keys) * shape.num_layers
+    assert len(keys) >= 4 and len(calls) >= len(keys) * NUM_LAYERS
     assert max(calls) == MAX_CONTEXT  # bs=1 reads one whole table row (the table width bounds the batch)
     # the real batch afterwards still matches the plain step (its padding rows are reset by copy_in)
     meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(5))

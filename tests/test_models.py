@@ -1,4 +1,4 @@
-"""Reference models end to end (CPU, fp32): static vs loop logits, greedy ids across all three backends, and
+"""Reference models end to end (CPU, fp32): eager vs loop logits, greedy ids across all three backends, and
 MLA's absorbed decode against its normal (decompressed) form on the same latent cache.
 
 Runs with one intra-op thread: these 2-core machines are shared, and a parallel region whose second thread is
@@ -7,10 +7,10 @@ descheduled waits a whole scheduler slice (measured: a 1 ms tiny-model step took
 import pytest
 import torch
 
-from compiled_attn.engine import Engine
-from compiled_attn.graph_decode import GraphConfig
-from compiled_attn.models import PRESETS, build_model, get_config
-from compiled_attn.models.backends import ExtendBatch, make_backend
+from compiled_attn.bench.engine import Engine
+from compiled_attn.decode_graphs import GraphConfig
+from compiled_attn.bench.models import PRESETS, build_model, get_config
+from compiled_attn.bench.backends import ExtendBatch, make_backend
 
 TINY = ["tiny-llama", "tiny-deepseek"]
 PROMPTS = [5, 17, 33]
@@ -34,28 +34,28 @@ def _run(model, backend, steps, **kw):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_static_logits_match_loop(name):
+def test_eager_logits_match_loop(name):
     model = build_model(get_config(name, layers=2, mlp=True), seed=1)
     p_loop, d_loop = _run(model, "loop", 6)
-    p_static, d_static = _run(model, "static", 6)
-    torch.testing.assert_close(p_static.logits, p_loop.logits, atol=1e-4, rtol=0)
-    assert len(d_static.logits) == 6
-    for step, (a, b) in enumerate(zip(d_static.logits, d_loop.logits)):
+    p_eager, d_eager = _run(model, "eager", 6)
+    torch.testing.assert_close(p_eager.logits, p_loop.logits, atol=1e-4, rtol=0)
+    assert len(d_eager.logits) == 6
+    for step, (a, b) in enumerate(zip(d_eager.logits, d_loop.logits)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"decode step {step}: {m}")
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_greedy_ids_identical_across_backends(name):
-    """16 greedy steps, fp32: loop, static and compiled (batch of 3 in bucket 4) produce the same ids."""
+    """16 greedy steps, fp32: loop, eager and compiled (batch of 3 in bucket 4) produce the same ids."""
     model = build_model(get_config(name, layers=2), seed=2)
     tokens = {}
-    for backend in ("loop", "static", "compiled"):
+    for backend in ("loop", "eager", "compiled"):
         prefill, decode = _run(model, backend, 16)
         tokens[backend] = torch.cat([prefill.tokens[:, None], decode.tokens], 1)
         if backend == "compiled":
             assert decode.buckets == ["4x256"] * 16
     assert tokens["loop"].shape == (3, 17)
-    assert torch.equal(tokens["static"], tokens["loop"])
+    assert torch.equal(tokens["eager"], tokens["loop"])
     assert torch.equal(tokens["compiled"], tokens["loop"])
 
 
@@ -71,7 +71,7 @@ def _normal_decode_logits(model, engine, batch):
                         torch.arange(lens.shape[0]), kv_slots)
 
 
-@pytest.mark.parametrize("backend", ["static", "loop"])
+@pytest.mark.parametrize("backend", ["eager", "loop"])
 def test_mla_absorbed_decode_equals_normal(backend):
     model = build_model(get_config("tiny-deepseek", layers=2), seed=3)
     engine = _engine(model, backend)
@@ -117,7 +117,7 @@ def test_same_seed_same_weights():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_dense_linear_matches_float64(dtype, tol):
-    from compiled_attn.models.dense import linear
+    from compiled_attn.bench.models.dense import linear
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 5, 64, generator=g), torch.randn(48, 64, generator=g) / 8

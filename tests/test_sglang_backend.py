@@ -1,4 +1,4 @@
-"""Our SGLang backend (``compiled_attn.sglang_backend``) against SGLang 0.5.23's own ``TorchNativeAttnBackend``.
+"""Our SGLang backend (``compiled_attn.sglang.backend``) against SGLang 0.5.23's own ``TorchNativeAttnBackend``.
 
 Each case builds the same batch twice (two model-runner stand-ins from one seed: identical pools, rows, slots and
 q/k/v), runs one through ``torch_native`` and one through ours via ``RadixAttention`` layers, and compares the
@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_harness as H
+import compiled_attn.sglang.testing as H
 
 # On a CPU torch, torchvision (which SGLang imports) needs its op schemas declared before anything imports it.
 H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
-from compiled_attn.sglang_backend import GRAPH_KV_TOKENS_ENV, CompiledAttnBackend  # noqa: E402
-from compiled_attn.sglang_plugin import BACKEND_NAME, create_backend, register  # noqa: E402
+from compiled_attn.sglang.backend import GRAPH_KV_TOKENS_ENV, CompiledAttnBackend  # noqa: E402
+from compiled_attn.sglang.plugin import BACKEND_NAME, create_backend, register  # noqa: E402
 
 GEOMS = ["mha", "gqa", "mla_normal", "mla_absorbed"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,7 +55,7 @@ def _compare(geom, mode, dtype=torch.float32, windows=(-1,), seed=1, **mr_kwargs
     """torch_native vs ours on twin batches: layer i gets sliding window windows[i]."""
     g = H.GEOMETRIES[geom]
     results = []
-    for make in (H.make_backend, CompiledAttnBackend):
+    for make in (H.make_torch_native_backend, CompiledAttnBackend):
         mr = H.make_model_runner(g, dtype=dtype, num_layers=len(windows), seed=seed, **mr_kwargs)
         batch = _batch(mr, mode, layer_ids=tuple(range(len(windows))))
         layers = [H.make_layer(g, i, w) for i, w in enumerate(windows)]
@@ -94,7 +94,7 @@ def test_layers_with_different_windows_share_one_forward(mode):
 def test_encoder_only_is_not_causal():
     g = H.GEOMETRIES["gqa"]
     outs = []
-    for make in (H.make_backend, CompiledAttnBackend):
+    for make in (H.make_torch_native_backend, CompiledAttnBackend):
         mr = H.make_model_runner(g, seed=5)
         batch = H.make_extend_batch(mr, [6, 1, 13])
         layer = SG.RadixAttention(g.num_heads, g.head_dim, g.sm_scale, g.num_kv_heads, 0,
@@ -158,7 +158,7 @@ def _graph_backend(mr, max_bs=4):
 
 @pytest.mark.parametrize("make", [CompiledAttnBackend, _graph_backend], ids=["plain", "graph_metadata"])
 def test_cross_attention_matches_torch_native(make):
-    (ref, ref_pools), (out, pools) = _cross_attention_run(H.make_backend), _cross_attention_run(make)
+    (ref, ref_pools), (out, pools) = _cross_attention_run(H.make_torch_native_backend), _cross_attention_run(make)
     for r, o in zip(ref, out):
         torch.testing.assert_close(o, r, atol=1e-4, rtol=0)
     for (rk, rv), (k, v) in zip(ref_pools, pools):
@@ -246,7 +246,7 @@ def test_plugin_loads_through_sglang(monkeypatch):
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
-    assert any(ep.value == "compiled_attn.sglang_plugin:register" for ep in entry_points(group="sglang.srt.plugins"))
+    assert any(ep.value == "compiled_attn.sglang.plugin:register" for ep in entry_points(group="sglang.srt.plugins"))
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
     monkeypatch.delitem(ATTENTION_BACKENDS, BACKEND_NAME, raising=False)
@@ -361,7 +361,7 @@ def test_graph_capacity(monkeypatch):
         out = _run(backend, batch, [H.make_layer(g)])[0]
     assert not backend.forward_metadata.static
     ref_mr = H.make_model_runner(g, seed=12)
-    ref = _run(H.make_backend(ref_mr), H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8), [H.make_layer(g)])
+    ref = _run(H.make_torch_native_backend(ref_mr), H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8), [H.make_layer(g)])
     torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=0)
     monkeypatch.setenv(GRAPH_KV_TOKENS_ENV, "lots")
     with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's TorchNativeAttnBackend, driven by tests/sglang_harness.py, against a
+"""SGLang 0.5.23's TorchNativeAttnBackend, driven by compiled_attn.sglang.testing, against a
 plain float64 dense-softmax reference. Proves the harness drives SGLang correctly (pool
 layout, scattered slots/rows, prefix, sliding window, MLA 576/512), so our backend can
 later be checked against SGLang on the same batches. Skipped where SGLang isn't installed
@@ -6,7 +6,7 @@ later be checked against SGLang on the same batches. Skipped where SGLang isn't 
 import pytest
 import torch
 
-import sglang_harness as H
+import compiled_attn.sglang.testing as H
 
 # On a CPU torch, torchvision (which SGLang imports) needs its op schemas declared before
 # anything imports it; then skip cleanly if SGLang is absent.
@@ -131,7 +131,7 @@ def test_two_layers_one_forward():
     g = H.GEOMETRIES["mla_absorbed"]
     mr = H.make_model_runner(g, num_layers=2, seed=5)
     batch = H.make_extend_batch(mr, [4, 7], [5, 2], layer_ids=(0, 1))
-    backend = H.make_backend(mr)
+    backend = H.make_torch_native_backend(mr)
     for lid in (0, 1):
         layer = H.make_layer(g, lid)
         ld = batch.layers[lid]
@@ -146,7 +146,7 @@ def test_extend_then_decode_continues_from_pool():
     g = H.GEOMETRIES["mha"]
     mr = H.make_model_runner(g, seed=6)
     ext = H.make_extend_batch(mr, [6, 3])
-    backend = H.make_backend(mr)
+    backend = H.make_torch_native_backend(mr)
     layer = H.make_layer(g)
     H.run_sglang(mr, ext, backend=backend)
     # decode one token per request on the same rows

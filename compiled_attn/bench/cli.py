@@ -17,10 +17,10 @@ import sys
 import profiling
 
 COMMANDS = {
-    "bench": "compiled_attn.bench",
-    "bench-ops": "compiled_attn.bench_ops",
-    "bench-step": "compiled_attn.bench_step",
-    "bench-sglang": "compiled_attn.bench_sglang",
+    "bench": "compiled_attn.bench.latency",
+    "bench-ops": "compiled_attn.bench.ops",
+    "bench-step": "compiled_attn.bench.step",
+    "bench-sglang": "compiled_attn.bench.sglang_layer",
     "profile-summary": "profiling.summary",
 }
 

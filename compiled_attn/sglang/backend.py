@@ -3,10 +3,10 @@
 A drop-in for SGLang's ``torch_native`` backend (same inputs, same outputs, same KV-pool writes) that batches
 requests instead of looping over them and can be graph-captured, so SGLang's decode graph runners (CUDA graphs;
 on CPU, ``CPUGraphRunner``'s ``torch.compile`` of the model) work with it. Selected by
-``--attention-backend compiled_attn`` once the plugin (``compiled_attn.sglang_plugin``) is loaded.
+``--attention-backend compiled_attn`` once the plugin (``compiled_attn.sglang.plugin``) is loaded.
 
 Per forward, ``init_forward_metadata`` records the batch; the host-side plan (``plan_decode`` / ``plan_extend``)
-and the per-step index (``build_decode_index`` / ``extend_index``) are built once per *layer configuration*
+and the per-step index (``build_decode_index`` / ``build_extend_index``) are built once per *layer configuration*
 ``(sliding window, cross-attention, causal)`` on its first layer and shared by every later layer of that forward.
 
 Graphs (decode only, as SGLang captures only decode): SGLang keys a graph by batch size alone, so the KV work a
@@ -38,10 +38,13 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from .api import decode_index, extend_index, v_is_prefix_of_k
-from .decode import DecodeIndex, build_decode_index, decode_blocks
-from .extend import ExtendIndex, extend_padded
-from .plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
+from graphs import cdiv
+
+from ..api import v_is_prefix_of_k
+from ..decode import DecodeIndex, build_decode_index, decode_blocks
+from ..extend import ExtendIndex, build_extend_index, extend_padded
+from ..metadata import DecodeInputs
+from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
@@ -53,13 +56,11 @@ ExtendKey = Tuple[Optional[int], bool, bool]
 
 def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int) -> int:
     """KV blocks a decode graph of ``bs`` rows computes over (see the module docstring)."""
-    per_request = -(-max_context_len // block_size)
-    return max(1, min(bs * per_request, -(-kv_tokens // block_size) + bs))
+    return max(1, min(bs * cdiv(max_context_len, block_size), cdiv(kv_tokens, block_size) + bs))
 
 
 def _window(layer) -> Optional[int]:
-    w = getattr(layer, "sliding_window_size", -1)
-    return None if w is None or w < 0 else int(w)
+    return normalize_window(getattr(layer, "sliding_window_size", -1))
 
 
 def _logit_cap(layer) -> Optional[float]:
@@ -221,7 +222,7 @@ class CompiledAttnBackend(AttentionBackend):
                 n = enc if enc is not None else torch.zeros_like(lens)
             else:
                 n = lens if window is None else lens.clamp_max(window + 1)
-            needed = int(((n + self.block_size - 1) // self.block_size).sum())
+            needed = int(cdiv(n, self.block_size).sum())
             if needed > cap:
                 raise ValueError(
                     f"compiled_attn: this decode batch (bs={bs}, {int(n.sum())} KV tokens) needs {needed} KV blocks "
@@ -263,8 +264,9 @@ class CompiledAttnBackend(AttentionBackend):
         g.req_rows[:bs].copy_(rows)
         g.kv_lo[:bs].copy_(lo)
         g.kv_hi[:bs].copy_(hi)
-        return build_decode_index(self.req_to_token, g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs],
-                                  g.block_ids[: self.graph_block_capacity(bs)], g.block_offsets)
+        inputs = DecodeInputs(g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs], g.block_ids[: self.graph_block_capacity(bs)],
+                              g.block_offsets)
+        return build_decode_index(self.req_to_token, inputs)
 
     # ------------------------------------------------------------------ forward
 
@@ -296,7 +298,7 @@ class CompiledAttnBackend(AttentionBackend):
                                    forward_batch.seq_lens, sliding_window=key[0],
                                    encoder_lens=forward_batch.encoder_lens, is_cross_attn=cross,
                                    block_size=self.block_size)
-                index = decode_index(self.req_to_token, meta)
+                index = build_decode_index(self.req_to_token, meta.inputs)
             state.decode[key] = index
         o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, _logit_cap(layer), v_shares_k=self.v_shares_k)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -316,7 +318,8 @@ class CompiledAttnBackend(AttentionBackend):
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
                                encoder_lens=fb.encoder_lens, is_cross_attn=cross)
-            planned = state.extend[key] = (extend_index(self.req_to_token, meta), meta.num_tokens)
+            index = build_extend_index(self.req_to_token, meta.inputs, causal=causal, sliding_window=meta.sliding_window)
+            planned = state.extend[key] = (index, meta.num_tokens)
         index, num_tokens = planned
         if num_tokens == 0:
             return q.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
@@ -343,7 +346,8 @@ class CompiledAttnBackend(AttentionBackend):
                            lens_dev, causal=key[2], sliding_window=key[0])
         if meta.num_tokens == 0:
             return q3.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
-        o = extend_padded(q3, k3, v3, extend_index(table, meta), layer.scaling, _logit_cap(layer))
+        index = build_extend_index(table, meta.inputs, causal=meta.causal, sliding_window=meta.sliding_window)
+        o = extend_padded(q3, k3, v3, index, layer.scaling, _logit_cap(layer))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 

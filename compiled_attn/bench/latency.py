@@ -1,5 +1,5 @@
 """``compiled-attn bench``: SGLang ``bench_one_batch``-style latency of a reference model, per batch size and per
-attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; ``static``: ours, eager;
+attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; ``eager``: ours, uncompiled;
 ``compiled``: ours, torch.compile + bucketed graphs, warmed before the first request), side by side.
 
 Per batch size it prints prefill latency and throughput, every decode step's latency (the first one marked),
@@ -8,8 +8,8 @@ self-check that the greedy token ids agree across backends (fp32; exit status 1 
 built (and the compiled one warmed) first; then the backends take turns per batch size.
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends) takes 25-60 s on an otherwise idle 2-core CPU (warm / cold inductor cache), under 3 minutes
-with another job on the machine; measurements taken while other processes held > 10% of the CPUs are flagged.
+all three backends) takes under a minute on a 2-core CPU; measurements taken while other processes held > 10% of
+the CPUs are flagged.
 ``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
 decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
 
@@ -28,11 +28,11 @@ import profiling
 from profiling.host import CpuShare, add_malloc_flag, tune_malloc
 from profiling.timers import median
 
-from .bench_report import agreement, format_batch_report, format_side_by_side, write_plot
+from ..decode_graphs import GraphConfig
+from .backends import BACKENDS, make_backend
 from .engine import Engine
-from .graph_decode import GraphConfig
 from .models import PRESETS, build_model, get_config
-from .models.backends import BACKENDS, make_backend
+from .report import agreement, format_batch_report, format_side_by_side, write_plot
 
 PROG = "compiled-attn bench"
 

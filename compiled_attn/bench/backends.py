@@ -1,12 +1,12 @@
-"""The attention backends the engine runs a model with: ``loop``, ``static``, ``compiled``.
+"""The attention backends the engine runs a model with: ``loop``, ``eager``, ``compiled``.
 
 * ``loop``: SGLang ``torch_native``'s algorithm, one SDPA call per request per layer (``loop_baseline``; our
   re-implementation, labelled so: SGLang's own backend needs a model runner, a server config and its pools, more
   machinery than a benchmark baseline should carry when SGLang is importable at all).
-* ``static``: ours, eager: ``plan`` once per step (host), ``decode_blocks`` / ``extend_padded`` per layer.
+* ``eager``: ours, uncompiled: ``plan`` once per step (host), ``decode_blocks`` / ``extend_padded`` per layer.
 * ``compiled``: the whole decode step (embedding to logits and argmax) as one step function, compiled and run
   through ``DecodeGraphs`` (CUDA graphs per bucket on CUDA, compiled replay on static buffers on CPU), warmed
-  before the first request. Extend runs eager, as ``static`` (see ``CompiledBackend``).
+  before the first request. Extend runs uncompiled, as in ``eager`` (see ``CompiledBackend``).
 """
 from __future__ import annotations
 
@@ -16,18 +16,19 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
+from graphs import cdiv
 from profiling import range as prange
 
-from ..api import decode_index, extend_index
 from ..decode import build_decode_index, decode_blocks
-from ..extend import extend_padded
-from ..graph_decode import DecodeGraphs, GraphConfig, RowInput
+from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
+from ..extend import build_extend_index, extend_padded
 from ..kv_pool import PAD_SLOT
-from ..loop_baseline import loop_decode, loop_extend
+from ..metadata import DecodeInputs
 from ..plan import plan_decode, plan_extend
-from .common import AttnFn, DecoderBase
+from .loop_baseline import loop_decode, loop_extend
+from .models import AttnFn, DecoderBase
 
-BACKENDS = ("loop", "static", "compiled")
+BACKENDS = ("loop", "eager", "compiled")
 
 
 @dataclass
@@ -91,9 +92,9 @@ class LoopBackend:
         return logits, logits.argmax(-1)
 
 
-class StaticBackend(LoopBackend):
-    name = "static"
-    label = "static (ours, eager)"
+class EagerBackend(LoopBackend):
+    name = "eager"
+    label = "eager (ours, uncompiled)"
 
     def __init__(self, block_size: int = 64):
         self.block_size = block_size
@@ -105,7 +106,8 @@ class StaticBackend(LoopBackend):
             q = _q_like(int(batch.ext_lens.sum()), hq, dqk, k_cache)
             meta = plan_extend(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens, batch.prefix_lens,
                                batch.ext_lens)
-            index = extend_index(req_to_token, meta)
+            index = build_extend_index(req_to_token, meta.inputs, causal=meta.causal,
+                                       sliding_window=meta.sliding_window)
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
@@ -118,7 +120,7 @@ class StaticBackend(LoopBackend):
         with prange("plan", phase="decode", bs=bs):
             meta = plan_decode(_q_like(bs, hq, dqk, k_cache), k_cache, v_cache, req_to_token, batch.rows,
                                batch.seq_lens, block_size=self.block_size)
-            index = decode_index(req_to_token, meta)
+            index = build_decode_index(req_to_token, meta.inputs)
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
@@ -135,8 +137,7 @@ def make_decode_step(model: DecoderBase):
     """
 
     def step(inputs, persistent):
-        index = build_decode_index(persistent["req_to_token"], inputs["req_rows"], inputs["kv_lo"],
-                                   inputs["kv_hi"], inputs["block_ids"], inputs["block_offsets"])
+        index = build_decode_index(persistent["req_to_token"], DecodeInputs.of(inputs))
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             return decode_blocks(q, k_cache, v_cache, index, scale, v_shares_k=v_shares_k)
@@ -147,8 +148,8 @@ def make_decode_step(model: DecoderBase):
     return step
 
 
-class CompiledBackend(StaticBackend):
-    """Decode through ``DecodeGraphs``; extend eager (as ``static``).
+class CompiledBackend(EagerBackend):
+    """Decode through ``DecodeGraphs``; extend uncompiled (as ``eager``).
 
     Why extend stays eager (measured on the 2-core CPU, llama-3-8b shapes, 2 layers, 8 x 256 tokens): the whole
     prefill under ``torch.compile`` ran 1.5-2.0 s against 1.6-2.2 s eager (the time is the projections' GEMMs and
@@ -183,7 +184,7 @@ class CompiledBackend(StaticBackend):
 
     def bucket_of(self, seq_lens_host: list[int]) -> str:
         policy, block = self.graphs.policy, self.config.block_size
-        tokens = sum(-(-n // block) for n in seq_lens_host) * block
+        tokens = sum(cdiv(n, block) for n in seq_lens_host) * block
         bs = policy.batch_bucket(len(seq_lens_host))
         if bs is None or tokens > policy.max_kv_tokens:
             return "fallback"
@@ -202,8 +203,8 @@ class CompiledBackend(StaticBackend):
 def make_backend(name: str, config: GraphConfig | None = None):
     if name == "loop":
         return LoopBackend()
-    if name == "static":
-        return StaticBackend(config.block_size if config else 64)
+    if name == "eager":
+        return EagerBackend(config.block_size if config else 64)
     if name == "compiled":
         return CompiledBackend(config or GraphConfig())
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -1,4 +1,4 @@
-"""``python -m compiled_attn.bench_sglang``: our SGLang backend vs SGLang's own ``torch_native``, same ForwardBatches.
+"""``compiled-attn bench-sglang``: our SGLang backend vs SGLang's own ``torch_native``, same ForwardBatches.
 
 Per case, one attention layer through SGLang's ``RadixAttention`` (K/V write included), the way ``ModelRunner``
 drives it: metadata for the forward, then the layer. Columns (milliseconds; medians over rounds that call each
@@ -8,18 +8,17 @@ column once, so load from other processes hits every column alike):
 - ``eager``: ours without graph state (exact-size plan + index + layer).
 - ``compiled`` (decode only): what SGLang's graph runners run: the out-of-graph checks and the in-graph metadata
   (static buffers, block capacity per batch size) eagerly, then ``forward_decode`` compiled through
-  ``compile_step`` (this project's policy, ``dynamic=True``); ``static``: the same with ``dynamic=False``, as
+  ``compile_step`` (this project's policy, ``dynamic=True``); ``compiled-fixed``: the same with ``dynamic=False``, as
   SGLang's ``CPUGraphRunner`` compiles the model. ``blocks`` = KV blocks the batch needs / the capacity the graph
   computes over. ``compile_s``: first call (inductor's caches make a second run of the script fast).
 
 Decode: each request has a context of 768..1280 tokens (mean ~1024). Extend: 256 new tokens on a 768-token cached
 prefix (chunked prefill). MHA: 32 q heads, 8 KV heads, head dim 128; MLA (absorbed): 16 heads, 576/512.
-Needs SGLang installed (see requirements-sglang*.txt); imports ``tests/sglang_harness.py``.
+Needs SGLang installed (see requirements-sglang*.txt); drives it through ``compiled_attn.sglang.testing``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,27 +26,27 @@ import torch
 
 from profiling.timers import format_table, median, time_interleaved
 
-from .compile_policy import compile_step
+from ..compile_policy import compile_step
+from .models import get_attention_shape
 
 MAX_CONTEXT = 1280
 
 
 def _harness():
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import sglang_harness  # noqa: PLC0415 - applies the torchvision fix-up before sglang is imported
+    from ..sglang import testing  # applies the torchvision fix-up; sglang itself is imported by import_sglang
 
-    sglang_harness.ensure_sglang_importable()
-    return sglang_harness
+    return testing
 
 
 def _geometries(H):
-    return {"mha": H.gqa(num_heads=32, num_kv_heads=8, head_dim=128, name="mha"), "mla": H.mla_absorbed(num_heads=16)}
+    """The one preset table's attention shapes as SGLang geometries."""
+    mha, mla = get_attention_shape("mha"), get_attention_shape("mla")
+    return {"mha": H.gqa(num_heads=mha.hq, num_kv_heads=mha.hkv, head_dim=mha.dqk, name="mha"),
+            "mla": H.mla_absorbed(num_heads=mla.hq, kv_lora_rank=mla.dv, qk_rope_head_dim=mla.dqk - mla.dv)}
 
 
 def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: float, seed: int = 0) -> dict:
-    from compiled_attn.sglang_backend import CompiledAttnBackend
+    from ..sglang.backend import CompiledAttnBackend
 
     sg = H.import_sglang()
     g = _geometries(H)[geom_name]
@@ -69,7 +68,7 @@ def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: f
 
     fns = {}
     mr, batch = setup()
-    fns["torch_native"] = layer_fn(H.make_backend(mr), batch)
+    fns["torch_native"] = layer_fn(H.make_torch_native_backend(mr), batch)
     mr, batch = setup()
     fns["eager"] = layer_fn(CompiledAttnBackend(mr), batch)
     if mode == "decode":
@@ -92,7 +91,7 @@ def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: f
 
             return run
 
-        for name, dynamic in (("compiled", True), ("static", False)):
+        for name, dynamic in (("compiled", True), ("compiled-fixed", False)):
             fns[name] = compiled_fn(dynamic)
             start = time.perf_counter()
             fns[name]()
@@ -102,17 +101,17 @@ def bench_case(H, geom_name: str, mode: str, bs: int, *, iters: int, budget_s: f
     times = time_interleaved(fns, warmup=1, iters=iters, budget_s=budget_s)
     row.update({name: median(t) * 1e3 for name, t in times.items()})
     row["x eager"] = row["torch_native"] / row["eager"]
-    for name in ("compiled", "static"):
+    for name in ("compiled", "compiled-fixed"):
         if name in row:
             row[f"x {name}"] = row["torch_native"] / row[name]
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m compiled_attn.bench_sglang", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="compiled-attn bench-sglang", description=__doc__.split("\n\n")[0])
     p.add_argument("--geometries", nargs="+", default=["mha", "mla"], choices=["mha", "mla"])
     p.add_argument("--modes", nargs="+", default=["decode", "extend"], choices=["decode", "extend"])
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--iters", type=int, default=20, help="most timed calls per measurement (at least 3)")
     p.add_argument("--budget-s", type=float, default=6.0, help="about this long per case")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         H = _harness()
         H.import_sglang()
     except ImportError as e:
-        print(f"bench_sglang: SGLang is not importable here ({e}); install requirements-sglang*.txt",
+        print(f"compiled-attn bench-sglang: SGLang is not importable here ({e}); install requirements-sglang*.txt",
               file=sys.stderr)
         return 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, one layer per step "
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for geom in args.geometries:
         for mode in args.modes:
-            for bs in args.batch_sizes:
+            for bs in args.batch_size:
                 try:
                     rows.append(bench_case(H, geom, mode, bs, iters=args.iters, budget_s=args.budget_s))
                 except Exception as e:  # noqa: BLE001 - report the case and go on with the others
@@ -142,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-COLUMNS = ["case", "torch_native", "eager", "compiled", "static", "x eager", "x compiled", "x static", "blocks",
-           "compiled compile_s", "static compile_s"]
+COLUMNS = ["case", "torch_native", "eager", "compiled", "compiled-fixed", "x eager", "x compiled", "x compiled-fixed",
+           "blocks", "compiled compile_s", "compiled-fixed compile_s"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

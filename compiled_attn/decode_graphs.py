@@ -1,8 +1,10 @@
-"""Bucketed decode steps: compile per bucket, capture CUDA graphs per bucket, warm everything before serving.
+"""Bucketed decode steps: compile once, capture a CUDA graph per bucket, warm everything before serving.
 
-A decode step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the decode metadata
-(``req_rows``, ``kv_lo``, ``kv_hi``, ``block_ids``, ``block_offsets``) plus the caller's per-row inputs (token
-ids, positions, output slots, ...), and whose ``persistent`` tensors are the KV caches and the request table.
+A decode step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of
+``DecodeInputs`` (``DecodeInputs.of(inputs)`` picks them) plus the caller's per-row inputs (token ids, positions,
+output slots, ...), and whose ``persistent`` tensors are the KV caches and the request table. The step is
+compiled once (``compile_policy``: dynamic sizes) and each bucket is then captured (CUDA) or replayed on its
+static buffers (CPU).
 The graph key is the batch-size bucket *and* a KV-block-capacity bucket, so a captured step's work follows the
 batch's real lengths, not the table width. The switches mean what they mean in SGLang:
 ``enable_torch_compile``, ``torch_compile_max_bs`` (larger buckets run uncompiled, still captured on CUDA),
@@ -15,12 +17,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers
+from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers, cdiv
 
 from .compile_policy import compile_step
-from .metadata import DecodeMetadata
+from .metadata import DecodeInputs, DecodeMetadata
 
-META_FIELDS = ("req_rows", "kv_lo", "kv_hi")
+#: the per-row fields of ``DecodeInputs`` (req_rows, kv_lo, kv_hi; the other two are unbatched aranges)
+ROW_FIELDS = DecodeInputs._fields[:3]
 
 
 @dataclass(frozen=True)
@@ -101,13 +104,13 @@ class DecodeGraphs:
         if self.config.max_context_len is None:
             return True
         bs, kv = key
-        blocks = -(-self.config.max_context_len // self.config.block_size)
+        blocks = cdiv(self.config.max_context_len, self.config.block_size)
         smaller = [c for c in self.policy.kv_capacities if c < kv]
         return (max(smaller) if smaller else 0) < bs * blocks * self.config.block_size
 
     def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
         bs, kv_tokens = key
-        specs = {name: BufferSpec((bs,), torch.int64, fill=0) for name in META_FIELDS}
+        specs = {name: BufferSpec((bs,), torch.int64, fill=0) for name in ROW_FIELDS}
         specs["block_ids"] = BufferSpec((kv_tokens // self.config.block_size,), torch.int64, batch_dim=None)
         specs["block_offsets"] = BufferSpec((self.config.block_size,), torch.int64, batch_dim=None)
         for name, spec in self.row_inputs.items():
@@ -148,18 +151,18 @@ class DecodeGraphs:
         return bs, self.policy.kv_bucket(tokens)
 
     def inputs_for(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor], key) -> dict[str, torch.Tensor]:
-        n = meta.num_real
-        blocks = key[1] // self.config.block_size if key is not None else meta.block_ids.shape[0]
-        inputs = {name: getattr(meta, name)[:n] for name in META_FIELDS}
+        n, planned = meta.num_real, meta.inputs
+        blocks = key[1] // self.config.block_size if key is not None else planned.block_ids.shape[0]
+        inputs = {name: getattr(planned, name)[:n] for name in ROW_FIELDS}
         inputs["block_ids"] = torch.arange(blocks, device=self.device)
-        inputs["block_offsets"] = meta.block_offsets
+        inputs["block_offsets"] = planned.block_offsets
         inputs.update(rows)
         return inputs
 
     def run(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]):
         """One decode step; outputs sliced to the real batch (on CUDA graphs: views valid until the next run)."""
-        if meta.block_offsets.shape[0] != self.config.block_size:
-            raise ValueError(f"metadata block_size {meta.block_offsets.shape[0]} != config block_size "
+        if meta.block_size != self.config.block_size:
+            raise ValueError(f"metadata block_size {meta.block_size} != config block_size "
                              f"{self.config.block_size}")
         key = self.key_for(meta)
         runner = self._runner_of.get(key, self.runners[0])

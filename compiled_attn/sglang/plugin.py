@@ -13,7 +13,7 @@ BACKEND_NAME = "compiled_attn"
 def create_backend(model_runner):
     """The factory SGLang calls with its ``ModelRunner`` (it reads ``device``, ``req_to_token_pool``,
     ``token_to_kv_pool``)."""
-    from .sglang_backend import CompiledAttnBackend
+    from .backend import CompiledAttnBackend
 
     return CompiledAttnBackend(model_runner)
 

@@ -20,21 +20,19 @@ import torch
 from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn
 
-from .attention_stack import StackShape, make_caches, make_stack_step
-from .compile_policy import compile_step, load_artifacts, save_artifacts, set_cache_dir
-from .graph_decode import DecodeGraphs, GraphConfig, RowInput
-from .plan import plan_decode
+from ..compile_policy import compile_step, load_artifacts, save_artifacts, set_cache_dir
+from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
+from ..plan import plan_decode
+from .attention_stack import make_caches, make_stack_step
+from .batches import assign_requests
+from .models import ATTN_PRESETS, AttnShape, get_attention_shape
 
 
-def _batch(shape: StackShape, persistent: dict, bs: int, length: int, seed: int):
+def _batch(shape: AttnShape, persistent: dict, bs: int, length: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     table = persistent["req_to_token"]
-    num_slots = persistent["k0"].shape[0]
-    slots = (torch.randperm(num_slots - 1, generator=g)[: bs * length] + 1).to(torch.int32)
-    rows = torch.randperm(table.shape[0] - 1, generator=g)[:bs] + 1
     dev = table.device
-    rows = rows.to(dev)
-    table[rows, :length] = slots.view(bs, length).to(dev)
+    rows = assign_requests(table, persistent["k0"].shape[0], [length] * bs, g)
     lens = torch.full((bs,), length, device=dev)
     x = torch.randn(bs, shape.hq, shape.dqk, generator=g).to(dev)
     v0 = persistent["k0"][..., : shape.dv] if shape.mla else persistent["v0"]
@@ -44,7 +42,7 @@ def _batch(shape: StackShape, persistent: dict, bs: int, length: int, seed: int)
 
 
 def _step_inputs(meta, rows_in):
-    return {**meta.step_inputs(), **rows_in}
+    return {**meta.inputs._asdict(), **rows_in}
 
 
 def run(args) -> dict:
@@ -53,16 +51,16 @@ def run(args) -> dict:
     if args.artifacts:
         load_artifacts(args.artifacts)
     torch.manual_seed(0)
-    shape = StackShape.preset(args.model, args.layers)
+    shape = get_attention_shape(args.model)
     max_bs = max(args.batch_size)
     num_slots = max_bs * args.length + 16
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    persistent = make_caches(shape, num_slots, device=dev)
+    persistent = make_caches(shape, args.layers, num_slots, device=dev)
     for t in persistent.values():
         t.normal_()
     persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32, device=dev)
-    step = make_stack_step(shape)
+    step = make_stack_step(shape, args.layers)
     config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length, max_context_len=args.length,
                          cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
     graphs = DecodeGraphs(step, config=config, device=dev,
@@ -92,7 +90,7 @@ def run(args) -> dict:
     if args.no_warmup_check:
         # a compiled step that was never warmed: its first call pays the compile (what warm-up removes)
         torch._dynamo.reset()  # forget the warmed graphs, so this one really compiles at its first call
-        cold = compile_step(make_stack_step(shape))
+        cold = compile_step(make_stack_step(shape, args.layers))
         meta, rows_in = _batch(shape, persistent, args.batch_size[0], args.length, seed=99)
         inputs = _step_inputs(meta, rows_in)
         t0 = time.perf_counter()
@@ -113,7 +111,7 @@ def _restart(argv: list[str]) -> int:
         out = []
         for name in ("cold", "warm"):
             path = os.path.join(tmp, f"{name}.json")
-            cmd = [sys.executable, "-m", "compiled_attn.bench_step", *argv, "--cache-dir", os.path.join(tmp, "c"),
+            cmd = [sys.executable, "-m", "compiled_attn.bench.step", *argv, "--cache-dir", os.path.join(tmp, "c"),
                    "--artifacts", os.path.join(tmp, "artifacts.bin"), "--json", path, "--quiet"]
             subprocess.run(cmd, check=True)
             with open(path) as f:
@@ -126,7 +124,7 @@ def _restart(argv: list[str]) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="compiled-attn bench-step", description=__doc__)
-    p.add_argument("--model", default="mha", choices=["mha", "mla", "tiny-mha", "tiny-mla"])
+    p.add_argument("--model", default="mha", choices=list(ATTN_PRESETS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None)

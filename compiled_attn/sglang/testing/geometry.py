@@ -1,4 +1,4 @@
-"""Attention geometries and the model-runner stand-in of the SGLang harness (see ``sglang_harness``)."""
+"""Attention geometries, the model-runner stand-in and layers of the SGLang test harness (``testing``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Dict, Optional
 
 import torch
 
-from compiled_attn.kv_pool import SlotAllocator
-from sglang_setup import import_sglang
+from ...kv_pool import SlotAllocator
+from .runtime import import_sglang
 
 # --------------------------------------------------------------------------------------
 # Geometry
@@ -186,7 +186,7 @@ def make_model_runner(
     )
 
 
-def make_backend(model_runner):
+def make_torch_native_backend(model_runner):
     """SGLang's own TorchNativeAttnBackend on the stand-in."""
     return import_sglang().TorchNativeAttnBackend(model_runner)
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kv_pool import MHAKVPool, MLAKVPool, write_kv
-from .common import AttnFn, DecoderBase, ModelConfig, Rotary, WeightInit, rms_norm
+from ...kv_pool import MHAKVPool, MLAKVPool, write_kv
+from .config import ModelConfig
+from .layers import AttnFn, DecoderBase, Rotary, WeightInit, rms_norm
 from .dense import linear
 
 

@@ -1,4 +1,5 @@
-"""Random paged batches for the tests: scattered, out-of-order slots and request rows; slot 0 / row 0 unused."""
+"""Random paged batches for the benchmarks and the tests: scattered, out-of-order slots and request rows, as a
+long-running server's free lists look; slot 0 and row 0 (the padding targets) are never handed out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,8 +7,29 @@ from dataclasses import dataclass
 import torch
 
 
+def assign_requests(req_to_token: torch.Tensor, num_slots: int, lens: list[int],
+                    generator: torch.Generator) -> torch.Tensor:
+    """Give ``len(lens)`` requests random rows of ``req_to_token`` (row 0 excluded; the rows are cleared) and
+    ``lens[i]`` random distinct slots in ``[1, num_slots)`` each, written in position order. Returns the rows,
+    [bs] int64 on the table's device."""
+    bs = len(lens)
+    rows = torch.randperm(req_to_token.shape[0] - 1, generator=generator)[:bs] + 1
+    slots = torch.randperm(num_slots - 1, generator=generator)[: sum(lens)] + 1
+    rows = rows.to(req_to_token.device)
+    req_to_token[rows] = 0
+    used = 0
+    for r, n in zip(rows.tolist(), lens):
+        req_to_token[r, :n] = slots[used:used + n].to(torch.int32).to(req_to_token.device)
+        used += n
+    return rows
+
+
 @dataclass
 class PagedBatch:
+    """q: [num_tokens, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (a view of k_cache
+    for MLA); req_to_token: [bs + 4, width] int32; rows, seq_lens, prefix_lens, ext_lens (and encoder_lens):
+    [bs] int64."""
+
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -31,21 +53,16 @@ def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=
     seq = torch.tensor(seq_lens, dtype=torch.int64)
     prefix = (seq - 1).clamp_min(0) if decode else torch.tensor(prefix_lens or [0] * bs, dtype=torch.int64)
     ext = seq - prefix
-    enc = torch.tensor(encoder_lens, dtype=torch.int64) if encoder_lens is not None else torch.zeros(bs, dtype=torch.int64)
+    enc = (torch.tensor(encoder_lens, dtype=torch.int64) if encoder_lens is not None
+           else torch.zeros(bs, dtype=torch.int64))
     total = enc + seq
     width = width or int(total.max()) + 3 if bs else 4
     num_slots = int(total.sum()) + 7
     dv = dv or dqk
     k_cache = torch.randn(num_slots, hkv, dqk, generator=g).to(dtype)
     v_cache = k_cache[..., :dv] if mla else torch.randn(num_slots, hkv, dv, generator=g).to(dtype)
-    perm = torch.randperm(num_slots - 1, generator=g) + 1
-    rows = (torch.randperm(bs + 3, generator=g) + 1)[:bs]
     table = torch.zeros(bs + 4, width, dtype=torch.int32)
-    used = 0
-    for i in range(bs):
-        n = int(total[i])
-        table[rows[i], :n] = perm[used:used + n].to(torch.int32)
-        used += n
+    rows = assign_requests(table, num_slots, total.tolist(), g)
     q = torch.randn(int(ext.sum()), hq, dqk, generator=g).to(dtype)
     return PagedBatch(q, k_cache, v_cache, table, rows, seq, prefix, ext,
                       enc if encoder_lens is not None else None)

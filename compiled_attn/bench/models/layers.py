@@ -1,23 +1,17 @@
-"""Shared pieces of the reference models: configs and presets, seeded weights, RMSNorm, rotary, SwiGLU MLP.
+"""Building blocks of the reference models: seeded weights, RMSNorm, rotary, SwiGLU MLP, the decoder base.
 
 Everything a forward calls is pure tensor code (no ``.item()``, no host sync, no Python branch on values), so a
 whole decode step can run under ``torch.compile(fullgraph=True)`` and inside a CUDA graph.
-
-Vocabularies are reduced on purpose (4096 for the real-shape presets): the weights are random, and on the 2-core
-CPU an lm_head of 32000 x 4096 costs ~107 ms per decode step at batch 32 (4096: 9 ms), more than the whole rest
-of a 2-layer step, which would hide the backends' difference behind one GEMM that all of them share.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ModelConfig
 from .dense import linear
 
 
@@ -30,68 +24,6 @@ class AttnFn(Protocol):
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float, v_shares_k: bool = False) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shapes of one reference model. ``kind`` is ``"llama"`` (MHA/GQA) or ``"deepseek"`` (MLA).
-
-    intermediate: SwiGLU width; used only when ``mlp`` is True (the benchmark leaves it off by default: the MLP
-    is the same dense GEMMs in every backend, 30 s per layer of a batch-32 prefill on the 2-core CPU).
-    max_context: the context limit (the bench refuses ``input_len + output_len`` beyond it).
-    MLA fields (deepseek only): kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim.
-    """
-
-    name: str
-    kind: str
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    num_layers: int = 2
-    mlp: bool = False
-    max_context: int = 4096
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    kv_lora_rank: int = 0
-    qk_nope_dim: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # Llama-3-8B attention/MLP shapes; vocab 4096 instead of 128256 (see the module doc).
-    "llama-3-8b": ModelConfig("llama-3-8b", "llama", hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                              intermediate=14336, vocab=4096, max_context=8192, rope_theta=500000.0),
-    "tiny-llama": ModelConfig("tiny-llama", "llama", hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                              intermediate=128, vocab=256, max_context=1024),
-    # DeepSeek-V2-Lite attention shapes (no q-LoRA); its first layer's dense MLP width; vocab 4096.
-    "deepseek-v2-lite": ModelConfig("deepseek-v2-lite", "deepseek", hidden=2048, num_heads=16, num_kv_heads=1,
-                                    head_dim=192, intermediate=10944, vocab=4096, max_context=8192,
-                                    kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128),
-    "tiny-deepseek": ModelConfig("tiny-deepseek", "deepseek", hidden=64, num_heads=4, num_kv_heads=1,
-                                 head_dim=24, intermediate=128, vocab=256, max_context=1024,
-                                 kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16),
-}
-
-
-def get_config(name: str, *, layers: int | None = None, mlp: bool | None = None) -> ModelConfig:
-    """A preset by name, with the layer count and MLP switch overridden when given."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        cfg = cfg.replace(num_layers=layers)
-    if mlp is not None:
-        cfg = cfg.replace(mlp=mlp)
-    return cfg
 
 
 # ---- seeded weights ----
@@ -210,14 +142,3 @@ class DecoderBase(nn.Module):
         slot the batch reads (prefix and new tokens; MLA decompresses these)."""
         return self._forward(tokens, positions, out_loc, caches, attn, "extend", kv_slots, logits_idx)
 
-
-def build_model(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> DecoderBase:
-    """The model of ``cfg.kind`` with seeded random weights, on ``device`` in ``dtype``, grad off."""
-    from .deepseek import DeepSeekMLA
-    from .llama import Llama
-
-    cls: Callable[..., DecoderBase] = {"llama": Llama, "deepseek": DeepSeekMLA}[cfg.kind]
-    model = cls(cfg, WeightInit(seed))
-    model = model.to(device=device, dtype=dtype)
-    return model.eval().requires_grad_(False)

@@ -17,9 +17,9 @@ import torch
 
 from profiling import range as prange
 
-from .kv_pool import ReqToTokenTable, SlotAllocator
-from .models.backends import DecodeBatch, ExtendBatch
-from .models.common import DecoderBase
+from ..kv_pool import ReqToTokenTable, SlotAllocator
+from .backends import DecodeBatch, ExtendBatch
+from .models import DecoderBase
 
 
 @dataclass

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kv_pool import MHAKVPool, write_kv
-from .common import AttnFn, DecoderBase, ModelConfig, Rotary, WeightInit
+from ...kv_pool import MHAKVPool, write_kv
+from .config import ModelConfig
+from .layers import AttnFn, DecoderBase, Rotary, WeightInit
 from .dense import linear
 
 

@@ -2,55 +2,41 @@
 
 Each layer writes the new token's K/V (derived from the hidden state) at ``out_cache_loc`` and attends over the
 cache, so the step's cost is the attention's. MHA/GQA layers own a K and a V cache; MLA layers own one latent
-cache whose first ``dv`` columns are V (a view, taken inside the step).
+cache whose first ``dv`` columns are V (a view, taken inside the step). Shapes come from ``models.AttnShape``
+(``get_attention_shape("mha" | "mla" | "tiny-mha" | "tiny-mla")``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .decode import build_decode_index, decode_blocks
-from .kv_pool import write_kv
+from ..decode import build_decode_index, decode_blocks
+from ..kv_pool import write_kv
+from ..metadata import DecodeInputs
+from .models import AttnShape
 
 
-@dataclass(frozen=True)
-class StackShape:
-    num_layers: int
-    hq: int
-    hkv: int
-    dqk: int
-    dv: int
-    mla: bool = False
-
-    @classmethod
-    def preset(cls, name: str, num_layers: int = 4) -> "StackShape":
-        shapes = {"mha": (32, 8, 128, 128, False), "mla": (16, 1, 576, 512, True),
-                  "tiny-mha": (4, 2, 16, 16, False), "tiny-mla": (4, 1, 40, 32, True)}
-        return cls(num_layers, *shapes[name])
-
-
-def make_caches(shape: StackShape, num_slots: int, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+def make_caches(shape: AttnShape, num_layers: int, num_slots: int, dtype=torch.float32,
+                device="cpu") -> dict[str, torch.Tensor]:
+    """``k{layer}`` (and, for MHA, ``v{layer}``) caches of ``num_slots`` slots, zero-filled."""
     caches = {}
-    for layer in range(shape.num_layers):
+    for layer in range(num_layers):
         caches[f"k{layer}"] = torch.zeros(num_slots, shape.hkv, shape.dqk, dtype=dtype, device=device)
         if not shape.mla:
             caches[f"v{layer}"] = torch.zeros(num_slots, shape.hkv, shape.dv, dtype=dtype, device=device)
     return caches
 
 
-def make_stack_step(shape: StackShape):
+def make_stack_step(shape: AttnShape, num_layers: int):
     """Return ``step(inputs, persistent) -> x`` with inputs ``x: [bs, Hq, Dqk]``, ``out_cache_loc: [bs]`` and
-    the decode metadata; persistent holds ``req_to_token`` and the caches of ``make_caches``."""
+    the fields of ``DecodeInputs``; persistent holds ``req_to_token`` and the caches of ``make_caches``."""
     scale = shape.dqk ** -0.5
     group = shape.hq // shape.hkv
 
     def step(inputs, persistent):
-        index = build_decode_index(persistent["req_to_token"], inputs["req_rows"], inputs["kv_lo"],
-                                   inputs["kv_hi"], inputs["block_ids"], inputs["block_offsets"])
+        index = build_decode_index(persistent["req_to_token"], DecodeInputs.of(inputs))
         x, loc = inputs["x"], inputs["out_cache_loc"]
         bs = x.shape[0]
-        for layer in range(shape.num_layers):
+        for layer in range(num_layers):
             k_cache = persistent[f"k{layer}"]
             v_cache = k_cache[..., : shape.dv] if shape.mla else persistent[f"v{layer}"]
             new_k = x.view(bs, shape.hkv, group, shape.dqk).mean(2)

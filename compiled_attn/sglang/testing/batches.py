@@ -1,13 +1,4 @@
-"""Drive SGLang 0.5.23's own ``TorchNativeAttnBackend`` on CPU, without a model.
-
-A helper module for tests (not a test file). It builds what SGLang's attention path needs
-(a model-runner stand-in, ``ReqToTokenPool``, ``MHATokenToKVPool`` / ``MLATokenToKVPool``,
-``RadixAttention`` layers, hand-made ``ForwardBatch``es) and runs one layer the way
-``ModelRunner`` does, so the same data can be fed to SGLang and to our own functions.
-
-The pieces live in three modules: ``sglang_setup`` (the import fix-up and single-rank parallel names, applied
-on import), ``sglang_geometry`` (geometries, model-runner stand-in, layers) and this one (batches and running);
-this module re-exports all of them, so tests import only ``sglang_harness``.
+"""Hand-made SGLang ``ForwardBatch``es and one layer run the way ``ModelRunner`` drives it.
 
 Layout conventions, as in SGLang:
   * ``req_to_token``: ``[max_num_reqs + 1, max_context_len]`` int32; row 0 is the padding row.
@@ -32,10 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from sglang_setup import (PARALLEL_DEFAULTS, SGLANG_VERSION, ensure_sglang_importable,  # noqa: F401  (re-exported)
-                          ensure_torchvision_importable, import_sglang, parallel_scope, sglang_available)
-from sglang_geometry import (GEOMETRIES, AttnGeometry, gqa, make_backend, make_layer,  # noqa: F401
-                             make_model_runner, mha, mla_absorbed, mla_normal)
+from .geometry import AttnGeometry, make_torch_native_backend, make_layer
+from .runtime import import_sglang, parallel_scope
 
 # --------------------------------------------------------------------------------------
 # Batches
@@ -313,7 +302,7 @@ def run_sglang_layer(backend, layer, forward_batch, q, k, v, *, save_kv_cache: b
 def run_sglang(model_runner, batch: BatchData, *, layer_id: int = 0, sliding_window_size: int = -1,
                backend=None):
     """Convenience: build the backend and layer, run ``batch``'s layer ``layer_id``."""
-    backend = backend if backend is not None else make_backend(model_runner)
+    backend = backend if backend is not None else make_torch_native_backend(model_runner)
     layer = make_layer(model_runner.geometry, layer_id, sliding_window_size)
     ld = batch.layers[layer_id]
     return run_sglang_layer(backend, layer, batch.forward_batch, ld.q, ld.k, ld.v)
@@ -343,13 +332,3 @@ def default_tolerance(dtype: torch.dtype):
     """(atol, rtol) for comparing an attention output against a float64 reference."""
     return {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
             torch.bfloat16: (2e-2, 2e-2)}.get(dtype, (1e-6, 1e-6))
-
-
-__all__ = [
-    "SGLANG_VERSION", "ensure_torchvision_importable", "ensure_sglang_importable",
-    "sglang_available", "import_sglang", "AttnGeometry", "GEOMETRIES", "mha", "gqa",
-    "mla_normal", "mla_absorbed", "make_model_runner", "make_backend", "make_layer",
-    "make_extend_batch", "make_decode_batch", "run_sglang_layer", "run_sglang",
-    "write_kv", "read_kv", "request_kv", "request_q", "BatchData", "LayerData",
-    "default_tolerance", "parallel_scope", "PARALLEL_DEFAULTS",
-]

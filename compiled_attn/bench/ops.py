@@ -14,31 +14,13 @@ import torch
 from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
-from .compile_policy import compile_step
-from .decode import build_decode_index, decode_blocks
+from ..compile_policy import compile_step
+from ..decode import build_decode_index, decode_blocks
+from ..metadata import DecodeInputs
+from ..plan import plan_decode
+from .batches import make_batch
 from .loop_baseline import loop_decode
-from .plan import plan_decode
-
-SHAPES = {"mha": dict(hq=32, hkv=8, d=128, dv=128, mla=False), "mla": dict(hq=16, hkv=1, d=576, dv=512, mla=True)}
-
-
-def _make_batch(shape: dict, lens: list[int], dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    total = sum(lens)
-    slots = total + 1
-    k_cache = torch.randn(slots, shape["hkv"], shape["d"], generator=g).to(dtype)
-    v_cache = k_cache[..., : shape["dv"]] if shape["mla"] else torch.randn(slots, shape["hkv"], shape["dv"],
-                                                                           generator=g).to(dtype)
-    perm = (torch.randperm(slots - 1, generator=g) + 1).to(torch.int32)
-    table = torch.zeros(len(lens) + 1, max(lens), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(lens):
-        table[i + 1, :n] = perm[used:used + n]
-        used += n
-    rows = torch.arange(1, len(lens) + 1)
-    q = torch.randn(len(lens), shape["hq"], shape["d"], generator=g).to(dtype)
-    return q, k_cache, v_cache, table, rows, torch.tensor(lens)
-
+from .models import get_attention_shape
 
 def _copy_gbps(nbytes: int = 256 << 20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
@@ -46,30 +28,38 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / median(time_fn(lambda: dst.copy_(src), warmup=2, iters=5)) / 1e9
 
 
-def _decode_step(q, k_cache, v_cache, table, rows, lo, hi, block_ids, block_offsets, scale, v_shares_k):
-    index = build_decode_index(table, rows, lo, hi, block_ids, block_offsets)
-    return decode_blocks(q, k_cache, v_cache, index, scale, v_shares_k=v_shares_k)
+def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k):
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale, v_shares_k=v_shares_k)
 
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0) -> dict:
-    shape = SHAPES[name]
+    shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)
     lens = (torch.randint(256, 2049, (bs,), generator=g).tolist() if lens_kind == "mixed" else [1024] * bs)
-    q, k_cache, v_cache, table, rows, seq_lens = _make_batch(shape, lens, dtype, seed)
-    scale = shape["d"] ** -0.5
-    meta = plan_decode(q, k_cache, v_cache, table, rows, seq_lens)
-    args = (q, k_cache, v_cache, table, meta.req_rows, meta.kv_lo, meta.kv_hi, meta.block_ids, meta.block_offsets)
+    b = make_batch(lens, hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv, mla=shape.mla, dtype=dtype,
+                   seed=seed, decode=True)
+    q, k_cache, v_cache, table = b.q, b.k_cache, b.v_cache, b.req_to_token
+    scale = shape.dqk ** -0.5
+    meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens)
+    args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla)
     compiled = compile_step(_decode_step)
-    loop = lambda: loop_decode(q, k_cache, v_cache, table, rows, seq_lens, scale=scale)  # noqa: E731
-    eager = lambda: _decode_step(*args, scale, shape["mla"])  # noqa: E731
-    comp = lambda: compiled(*args, scale, shape["mla"])  # noqa: E731
+
+    def loop():
+        return loop_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, scale=scale)
+
+    def eager():
+        return _decode_step(*args)
+
+    def comp():
+        return compiled(*args)
+
     ref = loop()
     for fn in (eager, comp):  # the three must agree before any of them is timed
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
     # round-robin, so a neighbour's burst on this shared machine slows all three alike
     times = time_interleaved({"loop": loop, "eager": eager, "compiled": comp}, warmup=1, iters=iters)
     t = {k: median(v) for k, v in times.items()}
-    kv_bytes = sum(lens) * shape["hkv"] * (shape["d"] + (0 if shape["mla"] else shape["dv"])) * k_cache.element_size()
+    kv_bytes = sum(lens) * shape.hkv * (shape.dqk + (0 if shape.mla else shape.dv)) * k_cache.element_size()
     return {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "loop_ms": t["loop"] * 1e3,
             "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
             "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
@@ -78,7 +68,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="compiled-attn bench-ops", description=__doc__)
-    p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=list(SHAPES))
+    p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=["mha", "mla"])
     p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"])
     p.add_argument("--iters", type=int, default=5)
