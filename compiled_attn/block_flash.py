@@ -75,7 +75,7 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     # views made once (split), so each iteration is two gathers and one kernel call
     biases = bias.split(chunk_blocks) if bias is not None else itertools.repeat(None)
     for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * n_cols), q[:n_rows].split(chunk_blocks),
-                                 biases):
+                                 biases, strict=False):
         k, v = _gather_kv(k_cache, v_cache, flat, q_c.shape[0], n_cols)
         o_c, lse_c = _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
         o_parts.append(o_c)

@@ -129,8 +129,8 @@ def decode_blocks(
         ms.append(m)
         ls.append(p.sum(-1))
         os_.append(torch.bmm(p, v))  # [nblk, group, dv]
-    m, l, o = torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)  # [nblk, hkv, group(, dv)]
-    out = merge_blocks(m, l, o, index.block_req, bs)
+    m, lsum, o = torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)  # [nblk, hkv, group(, dv)]
+    out = merge_blocks(m, lsum, o, index.block_req, bs)
     return out.reshape(bs, hq, dv).to(q.dtype)
 
 
@@ -162,11 +162,11 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @torch.library.custom_op("compiled_attn::merge_blocks", mutates_args=())
-def merge_blocks(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, block_req: torch.Tensor,
+def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req: torch.Tensor,
                  num_rows: int) -> torch.Tensor:
     """Merge per-block partial softmaxes into one output per request (log-sum-exp rule).
 
-    m, l: [nblk, Hkv, group] block max and sum of exp; o: [nblk, Hkv, group, Dv] block's unnormalised output;
+    m, lsum: [nblk, Hkv, group] block max and sum of exp; o: [nblk, Hkv, group, Dv] block's unnormalised output;
     block_req: [nblk] request of each block, ``num_rows`` for unused blocks -> [num_rows, Hkv, group, Dv] float32.
 
     A custom op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
@@ -175,16 +175,16 @@ def merge_blocks(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, block_req: t
     """
     rows = num_rows + 1  # the extra row collects unused blocks
     # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path)
-    m, l, o = m.contiguous(), l.contiguous(), o.contiguous()
+    m, lsum, o = m.contiguous(), lsum.contiguous(), o.contiguous()
     lowest = torch.finfo(torch.float32).min
     m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
     m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
     w = torch.exp(m - m_req.index_select(0, block_req))
-    acc = torch.zeros((rows, *o.shape[1:]), device=o.device, dtype=o.dtype).index_add_(0, block_req, (o * w[..., None]).contiguous())
-    den = torch.zeros((rows, *l.shape[1:]), device=l.device, dtype=l.dtype).index_add_(0, block_req, l * w)
+    acc = o.new_zeros((rows, *o.shape[1:])).index_add_(0, block_req, (o * w[..., None]).contiguous())
+    den = lsum.new_zeros((rows, *lsum.shape[1:])).index_add_(0, block_req, lsum * w)
     return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
 
 
 @merge_blocks.register_fake
-def _merge_blocks_fake(m, l, o, block_req, num_rows):
+def _merge_blocks_fake(m, lsum, o, block_req, num_rows):
     return o.new_empty((num_rows, *o.shape[1:]))

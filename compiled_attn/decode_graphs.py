@@ -12,8 +12,8 @@ batch's real lengths, not the table width. The switches mean what they mean in S
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 

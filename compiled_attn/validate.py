@@ -56,7 +56,8 @@ def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: 
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
     check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, device)
     if req_pool_indices.shape[0] != bs:
-        raise ValueError(f"req_pool_indices must have shape [{bs}] (the batch size), got {tuple(req_pool_indices.shape)}")
+        raise ValueError(f"req_pool_indices must have shape [{bs}] (the batch size), "
+                         f"got {tuple(req_pool_indices.shape)}")
     rows = req_pool_indices.detach().to("cpu", torch.int64)
     max_reqs = req_to_token.shape[0]
     if bs and (int(rows.min()) < 0 or int(rows.max()) >= max_reqs):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 __all__ = ["DEFAULT_BATCH_SIZES", "BucketPolicy", "cdiv", "kv_capacities"]
 
@@ -99,7 +99,7 @@ class BucketPolicy:
         batch_sizes: Sequence[int] | None = None,
         min_kv_tokens: int = 256,
         kv_growth: float = 2.0,
-    ) -> "BucketPolicy":
+    ) -> BucketPolicy:
         """Buckets for serving up to ``max_batch_size`` requests of up to ``max_kv_tokens`` tokens.
 
         Batch sizes, following SGLang: the default list (or ``batch_sizes``) capped at ``max_batch_size``.

@@ -8,7 +8,8 @@ CPU device the stream helpers are no-ops (``stream`` is None).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -78,7 +79,8 @@ def signatures(tensors: Mapping[str, torch.Tensor], *, with_ptr: bool) -> dict[s
         raise TypeError(f"persistent values must be tensors, got {bad}") from None
 
 
-def describe_changes(recorded: Mapping[str, tuple], tensors: Mapping[str, torch.Tensor], *, with_ptr: bool) -> dict[str, str]:
+def describe_changes(recorded: Mapping[str, tuple], tensors: Mapping[str, torch.Tensor], *,
+                     with_ptr: bool) -> dict[str, str]:
     """name -> what differs between ``tensors`` and the ``recorded`` signatures (missing, new, or which fields
     changed, e.g. ``persistent tensor 'cache' was replaced (shape (64, 8) -> (128, 8))``); empty: nothing."""
     changes = {n: f"persistent tensor {n!r} is missing" for n in recorded if n not in tensors}
@@ -88,7 +90,7 @@ def describe_changes(recorded: Mapping[str, tuple], tensors: Mapping[str, torch.
         if name not in tensors:
             continue
         new = tensor_signature(tensors[name], with_ptr=with_ptr)
-        diff = [f"{f} {_show(a)} -> {_show(b)}" for f, a, b in zip(fields, old, new) if a != b]
+        diff = [f"{f} {_show(a)} -> {_show(b)}" for f, a, b in zip(fields, old, new, strict=False) if a != b]
         if diff:
             changes[name] = f"persistent tensor {name!r} was replaced ({', '.join(diff)})"
     return changes

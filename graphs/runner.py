@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, Sequence, Union
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -37,7 +38,7 @@ from profiling import range as prof_range
 
 __all__ = ["GraphRunner", "RunnerStats", "Outputs", "StepFn"]
 
-Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 StepFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], Outputs]
 Key = Hashable
 
@@ -247,7 +248,8 @@ class GraphRunner:
 
     # ---- run ----
 
-    def run(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+    def run(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor],
+            persistent: Mapping[str, torch.Tensor]) -> Outputs:
         """One step. ``key`` None or not warmed -> the fallback on the real inputs (warned once per runner);
         else copy ``real_inputs`` (``n <= bucket`` rows) into the bucket's buffers and replay (CUDA graph) or
         call the compiled step on them. Returns bucket-shaped outputs (fallback: real-shaped)."""
@@ -267,7 +269,8 @@ class GraphRunner:
         self.stats.replays += 1
         return out
 
-    def run_sliced(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+    def run_sliced(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor],
+                   persistent: Mapping[str, torch.Tensor]) -> Outputs:
         """``run``, with every output's dim 0 cut to the real batch size (views of the static outputs)."""
         out = self.run(key, real_inputs, persistent)
         return _slice_rows(out, self._num_rows(key, real_inputs))
@@ -279,7 +282,8 @@ class GraphRunner:
             entry = self._entries[self.warmed_keys[0]]
         return entry.buffers.num_rows(real_inputs)
 
-    def _run_fallback(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]) -> Outputs:
+    def _run_fallback(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor],
+                      persistent: Mapping[str, torch.Tensor]) -> Outputs:
         n = self._num_rows(key, real_inputs)
         if not self._warned.fallback:
             self._warned.fallback = True

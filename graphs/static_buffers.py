@@ -14,8 +14,8 @@ the compiled function's input shapes (hence its guards) fixed and avoid realloca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -116,7 +116,8 @@ class StaticBuffers:
         extra = sorted(set(real) - set(self.specs))
         if missing or extra:
             # A missing input would silently replay stale rows from the previous step.
-            raise ValueError(f"copy_in: missing inputs {missing}, unexpected inputs {extra}; expected {list(self.specs)}")
+            raise ValueError(f"copy_in: missing inputs {missing}, unexpected inputs {extra}; "
+                             f"expected {list(self.specs)}")
 
     def _expected_shape(self, name: str, n: int) -> tuple:
         spec = self.specs[name]
@@ -142,7 +143,8 @@ class StaticBuffers:
                 f"(here {expected}) to fit buffer {spec.shape}"
             )
         if not torch.can_cast(src.dtype, spec.dtype):
-            raise TypeError(f"copy_in: input {name!r} has dtype {src.dtype}, which does not cast safely to {spec.dtype}")
+            raise TypeError(f"copy_in: input {name!r} has dtype {src.dtype}, which does not cast safely to "
+                            f"{spec.dtype}")
 
     def _write(self, name: str, src: torch.Tensor, n: int) -> None:
         spec, buf = self.specs[name], self.tensors[name]

@@ -48,7 +48,8 @@ import contextlib
 import functools
 import os
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -184,7 +185,7 @@ class _NoopRange:
 
     __slots__ = ()
 
-    def __enter__(self) -> "_NoopRange":
+    def __enter__(self) -> _NoopRange:
         return self
 
     def __exit__(self, *exc: object) -> bool:
@@ -213,7 +214,7 @@ class _Range:
         self.color = color_of(name)
         self._rf = None
 
-    def __enter__(self) -> "_Range":
+    def __enter__(self) -> _Range:
         nvtx_push(self.message, self.color)
         if _torch_profiler_active():
             try:
@@ -239,7 +240,7 @@ class _Range:
         return ranged(self.name, **self.attrs)(fn)
 
 
-def range(name: str, **attrs: Any):  # noqa: A001 - deliberate: ``profiling.range("decode", layer=3)``
+def range(name: str, **attrs: Any):
     """A named profiling range: ``with range("attn", layer=3, bs=8): ...``.
 
     ``name``'s first token picks the NVTX colour; ``attrs`` are appended to the message as ``key=value``.

@@ -28,8 +28,8 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from profiling.ranges import DOMAIN
 from profiling.timers import format_table

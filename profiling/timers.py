@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = ["time_fn", "time_interleaved", "median", "format_table", "LatencyTable", "range_overhead_ns"]
 
@@ -101,7 +102,7 @@ def format_table(rows: Sequence[Sequence[Any]] | Sequence[dict], columns: Sequen
     widths = [max([len(c)] + [len(r[i]) for r in text_rows]) for i, c in enumerate(columns)]
 
     def line(cells: Sequence[str]) -> str:
-        parts = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        parts = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=False)]
         return "  ".join(parts).rstrip()
 
     out = [line(columns), "  ".join("-" * w for w in widths)]

@@ -1,11 +1,11 @@
 # Before anything imports sglang: on a CPU torch, torchvision (which SGLang imports) needs its op schemas declared
 # first. The fix-up does not import sglang.
+import pytest
+import torch
+
 from compiled_attn.sglang.cpu_fixups import ensure_torchvision_importable
 
 ensure_torchvision_importable()
-
-import pytest  # noqa: E402  (after the fix-up, by design)
-import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

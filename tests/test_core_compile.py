@@ -1,12 +1,11 @@
 """The run functions compile with fullgraph=True, and new lengths in the same bucket shapes do not recompile."""
 import torch
+from reference import reference_attention
 from torch._dynamo.utils import counters
 
+from compiled_attn import build_decode_index, build_extend_index, decode_blocks, extend_padded, plan_decode, plan_extend
 from compiled_attn.bench.batches import make_batch
-from compiled_attn import (build_decode_index, build_extend_index, decode_blocks, extend_padded, plan_decode,
-                           plan_extend)
 from compiled_attn.compile_policy import compile_step
-from reference import reference_attention
 
 
 def decode_step(q, k_cache, v_cache, table, inputs):

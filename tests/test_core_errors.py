@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from compiled_attn.bench.batches import make_batch
 from compiled_attn import decode_attention, extend_attention
+from compiled_attn.bench.batches import make_batch
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from compiled_attn.bench.batches import make_batch
-from compiled_attn import decode_attention, extend_attention
 from reference import reference_attention
+
+from compiled_attn import decode_attention, extend_attention
+from compiled_attn.bench.batches import make_batch
 
 SETTINGS = settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 heads = st.sampled_from([(1, 1), (2, 2), (4, 2), (6, 3), (8, 1)])

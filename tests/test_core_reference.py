@@ -1,10 +1,10 @@
 """decode_attention / extend_attention against the float64 reference, feature by feature."""
 import pytest
 import torch
-
-from compiled_attn.bench.batches import make_batch
-from compiled_attn import decode_attention, extend_attention
 from reference import reference_attention
+
+from compiled_attn import decode_attention, extend_attention
+from compiled_attn.bench.batches import make_batch
 
 SHAPES = {  # name: (hq, hkv, dqk, dv, mla)
     "mha": (4, 4, 32, 32, False),

@@ -3,12 +3,12 @@ matmul form (what CUDA runs; tested here on CPU as its twin). Both against the f
 against a plain per-block softmax, and the automatic choice."""
 import pytest
 import torch
+from reference import reference_attention
 
-from compiled_attn.bench.batches import make_batch
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
+from compiled_attn.bench.batches import make_batch
 from compiled_attn.block_flash import block_flash, chunk_blocks_for, supports_block_flash
 from compiled_attn.compile_policy import compile_step
-from reference import reference_attention
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 LENS = [5, 70, 1, 130, 0, 64, 65]  # one block, several, exactly one block, a partial block, an empty row

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,7 +123,7 @@ def test_batch_bucket_is_smallest_bucket_at_least_bs(bs):
 
 def test_policy_is_frozen():
     p = BucketPolicy.create(8, 256)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.batch_sizes = (1,)
 
 

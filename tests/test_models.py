@@ -7,10 +7,10 @@ descheduled waits a whole scheduler slice (measured: a 1 ms tiny-model step took
 import pytest
 import torch
 
-from compiled_attn.bench.engine import Engine
-from compiled_attn.decode_graphs import GraphConfig
-from compiled_attn.bench.models import PRESETS, build_model, get_config
 from compiled_attn.bench.backends import ExtendBatch, make_backend
+from compiled_attn.bench.engine import Engine
+from compiled_attn.bench.models import PRESETS, build_model, get_config
+from compiled_attn.decode_graphs import GraphConfig
 
 TINY = ["tiny-llama", "tiny-deepseek"]
 PROMPTS = [5, 17, 33]
@@ -40,8 +40,8 @@ def test_eager_logits_match_loop(name):
     p_eager, d_eager = _run(model, "eager", 6)
     torch.testing.assert_close(p_eager.logits, p_loop.logits, atol=1e-4, rtol=0)
     assert len(d_eager.logits) == 6
-    for step, (a, b) in enumerate(zip(d_eager.logits, d_loop.logits)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"decode step {step}: {m}")
+    for step, (a, b) in enumerate(zip(d_eager.logits, d_loop.logits, strict=False)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"decode step {step}")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -64,7 +64,7 @@ def _normal_decode_logits(model, engine, batch):
     attention with Dqk = nope + rope, Dv = v_head_dim (through the extend path: one new token per request)."""
     table = engine.table.req_to_token
     lens = batch.seq_lens
-    kv_slots = torch.cat([table[int(r), : int(n)].long() for r, n in zip(batch.rows, lens)])
+    kv_slots = torch.cat([table[int(r), : int(n)].long() for r, n in zip(batch.rows, lens, strict=False)])
     ext = ExtendBatch(batch.rows, lens, lens - 1, torch.ones_like(lens), kv_slots)
     attn = engine.backend.extend_attn(model, engine.persistent, table, ext)
     return model.extend(batch.tokens, batch.positions, batch.out_loc, engine.persistent, attn,
@@ -112,7 +112,7 @@ def test_presets_have_the_real_shapes():
 def test_same_seed_same_weights():
     a = build_model(get_config("tiny-llama", layers=1), seed=9)
     b = build_model(get_config("tiny-llama", layers=1), seed=9)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=False))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

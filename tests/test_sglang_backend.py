@@ -20,6 +20,7 @@ import compiled_attn.sglang.testing as H
 H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
+# imported after importorskip: the backend module imports sglang
 from compiled_attn.sglang.backend import GRAPH_KV_TOKENS_ENV, CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.plugin import BACKEND_NAME, create_backend, register  # noqa: E402
 
@@ -61,11 +62,11 @@ def _compare(geom, mode, dtype=torch.float32, windows=(-1,), seed=1, **mr_kwargs
         layers = [H.make_layer(g, i, w) for i, w in enumerate(windows)]
         results.append((_run(make(mr), batch, layers), _pools(mr, len(windows)), batch))
     (ref, ref_pools, batch), (out, pools, _) = results
-    for r, o in zip(ref, out):
+    for r, o in zip(ref, out, strict=False):
         assert o.shape == r.shape == (batch.forward_batch.input_ids.shape[0], g.num_heads * g.v_head_dim)
         assert o.dtype == dtype
         torch.testing.assert_close(o, r, atol=ATOL[dtype], rtol=0)
-    for (rk, rv), (k, v) in zip(ref_pools, pools):
+    for (rk, rv), (k, v) in zip(ref_pools, pools, strict=False):
         assert torch.equal(rk, k) and torch.equal(rv, v)
     return ref, out
 
@@ -111,11 +112,14 @@ def _cross_attention_run(make, enc_lens=(5, 3), dec_lens=(4, 2)):
     g = H.GEOMETRIES["mha"]
     mr = H.make_model_runner(g, num_layers=2, seed=6)
     gen = torch.Generator().manual_seed(7)
-    rnd = lambda n, d: torch.randn(n, d, generator=gen)  # noqa: E731
+
+    def rnd(n, d):
+        return torch.randn(n, d, generator=gen)
+
     rows = mr.req_allocator.alloc(len(enc_lens))
     table = mr.req_to_token_pool.req_to_token
     enc_loc, dec_loc = [], []
-    for row, e, d in zip(rows.tolist(), enc_lens, dec_lens):
+    for row, e, d in zip(rows.tolist(), enc_lens, dec_lens, strict=False):
         slots = mr.slot_allocator.alloc(e + d).tolist()
         table[row, : e + d] = torch.tensor(slots, dtype=torch.int32)
         enc_loc += slots[:e]
@@ -138,7 +142,7 @@ def _cross_attention_run(make, enc_lens=(5, 3), dec_lens=(4, 2)):
                                init_metadata=False)[0]]
     # decode: one more decoder token per request
     new = mr.slot_allocator.alloc(len(dec_lens))
-    for i, (row, e, d) in enumerate(zip(rows.tolist(), enc_lens, dec_lens)):
+    for i, (row, e, d) in enumerate(zip(rows.tolist(), enc_lens, dec_lens, strict=False)):
         table[row, e + d] = int(new[i])
     bs = len(dec_lens)
     fb = SG.ForwardBatch(
@@ -159,9 +163,9 @@ def _graph_backend(mr, max_bs=4):
 @pytest.mark.parametrize("make", [CompiledAttnBackend, _graph_backend], ids=["plain", "graph_metadata"])
 def test_cross_attention_matches_torch_native(make):
     (ref, ref_pools), (out, pools) = _cross_attention_run(H.make_torch_native_backend), _cross_attention_run(make)
-    for r, o in zip(ref, out):
+    for r, o in zip(ref, out, strict=False):
         torch.testing.assert_close(o, r, atol=1e-4, rtol=0)
-    for (rk, rv), (k, v) in zip(ref_pools, pools):
+    for (rk, rv), (k, v) in zip(ref_pools, pools, strict=False):
         assert torch.equal(rk, k) and torch.equal(rv, v)
 
 
@@ -212,7 +216,7 @@ def test_mla_normal_over_latent_pool_uses_given_kv():
     q, k, v = (torch.randn(n, heads * d, generator=gen) for d in (dqk, dqk, dv))
     before = _pools(mr)
     out, _ = H.run_sglang_layer(CompiledAttnBackend(mr), layer, batch.forward_batch, q, k, v, save_kv_cache=False)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], _pools(mr)[0]))
+    assert all(torch.equal(a, b) for a, b in zip(before[0], _pools(mr)[0], strict=False))
     ref, start = [], 0
     for m in lens:
         sl = slice(start, start + m)
@@ -310,7 +314,7 @@ def _graph_vs_plain(geom, hook, windows=(-1,), lens=(5, 9, 3, 70), max_bs=8):
         ld = batch.layers[layer.layer_id]
         graphed.append(H.run_sglang_layer(backend, layer, fb, ld.q, ld.k, ld.v, init_metadata=False)[0])
     n = len(lens)
-    for p, o in zip(plain, graphed):
+    for p, o in zip(plain, graphed, strict=False):
         assert o.shape[0] == max_bs and torch.isfinite(o).all()
         torch.testing.assert_close(o[:n], p, atol=1e-5, rtol=0)
     return backend, mr
@@ -361,7 +365,8 @@ def test_graph_capacity(monkeypatch):
         out = _run(backend, batch, [H.make_layer(g)])[0]
     assert not backend.forward_metadata.static
     ref_mr = H.make_model_runner(g, seed=12)
-    ref = _run(H.make_torch_native_backend(ref_mr), H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8), [H.make_layer(g)])
+    ref_batch = H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8)
+    ref = _run(H.make_torch_native_backend(ref_mr), ref_batch, [H.make_layer(g)])
     torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=0)
     monkeypatch.setenv(GRAPH_KV_TOKENS_ENV, "lots")
     with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):

@@ -18,7 +18,7 @@ def assign_requests(req_to_token: torch.Tensor, num_slots: int, lens: list[int],
     rows = rows.to(req_to_token.device)
     req_to_token[rows] = 0
     used = 0
-    for r, n in zip(rows.tolist(), lens):
+    for r, n in zip(rows.tolist(), lens, strict=False):
         req_to_token[r, :n] = slots[used:used + n].to(torch.int32).to(req_to_token.device)
         used += n
     return rows

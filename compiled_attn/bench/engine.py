@@ -97,7 +97,7 @@ class Engine:
             self._row_ids = [self.table.alloc_row() for _ in prompt_lens]
             slots = self.allocator.alloc(total)
             self._slots = [slots]
-            for row, part in zip(self._row_ids, slots.split(prompt_lens)):
+            for row, part in zip(self._row_ids, slots.split(prompt_lens), strict=False):
                 self.table.assign(row, 0, part)
             self._rows = torch.tensor(self._row_ids, dtype=torch.int64, device=dev)
             batch = ExtendBatch(self._rows, lens, torch.zeros_like(lens), lens, slots)

@@ -19,6 +19,7 @@ bucketed step then runs eager on static buffers / CUDA graphs of the eager step)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 
@@ -103,9 +104,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.profile == "torch" and not args.trace:
         p.error("--profile torch needs --trace PATH")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             p.error("--plot needs matplotlib (pip install 'compiled-attn[plot]')")
     if len(set(args.backend)) != len(args.backend):
         p.error(f"--backend lists a backend twice: {args.backend}")

@@ -21,7 +21,7 @@ def loop_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *
     """q: [bs, Hq, D] -> [bs, Hq, Dv]; one SDPA call per request."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+    for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=False)):
         tokens = req_to_token[row, :n].long()
         k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
         out[i] = _sdpa(q[i][:, None], k, v, scale, causal=False)[:, 0]
@@ -35,7 +35,7 @@ def loop_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, e
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     start = 0
-    for row, n, prefix in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_prefix_lens.tolist()):
+    for row, n, prefix in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_prefix_lens.tolist(), strict=False):
         ext = n - prefix
         tokens = req_to_token[row, :n].long()
         k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)

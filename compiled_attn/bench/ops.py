@@ -22,6 +22,7 @@ from .batches import make_batch
 from .loop_baseline import loop_decode
 from .models import get_attention_shape
 
+
 def _copy_gbps(nbytes: int = 256 << 20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)

@@ -14,7 +14,7 @@ def format_batch_report(backend: str, label: str, r: dict) -> str:
              f"Prefill. latency: {r['prefill_latency_s']:.5f} s, throughput: "
              f"{r['prefill_throughput_tok_s']:10.2f} token/s"]
     lat, buckets = r["decode_latencies_s"], r["decode_buckets"]
-    for i, (t, bucket) in enumerate(zip(lat, buckets)):
+    for i, (t, bucket) in enumerate(zip(lat, buckets, strict=False)):
         if i == MAX_STEPS_SHOWN:
             lines.append(f"Decode ... {len(lat) - MAX_STEPS_SHOWN} more steps (all in --json)")
             break
@@ -85,7 +85,8 @@ def agreement(results: dict, batch_sizes: list[int]) -> dict:
         ref = results[ref_name]["results"][bs]["tokens"]
         for name in names[1:]:
             toks = results[name]["results"][bs]["tokens"]
-            bad = [(i, j) for i, (a, b) in enumerate(zip(ref, toks)) for j, (x, y) in enumerate(zip(a, b)) if x != y]
+            bad = [(i, j) for i, (a, b) in enumerate(zip(ref, toks, strict=True))
+                   for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
             if bad:
                 i, j = bad[0]
                 diffs.append({"backend": name, "bs": bs, "mismatches": len(bad), "first": [i, j]})

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             for bs in args.batch_size:
                 try:
                     rows.append(bench_case(H, geom, mode, bs, iters=args.iters, budget_s=args.budget_s))
-                except Exception as e:  # noqa: BLE001 - report the case and go on with the others
+                except Exception as e:
                     rows.append({"case": f"{geom} {mode} bs={bs}", "blocks": f"error: {type(e).__name__}: {e}"})
                 print(format_table([rows[-1]], COLUMNS, precision=2).splitlines()[-1], flush=True)
     print()

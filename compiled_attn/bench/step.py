@@ -8,6 +8,7 @@ directory (and a saved artifacts file) and compares cold vs warm start-up.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -81,9 +82,10 @@ def run(args) -> dict:
         if sync:
             sync()
         first = time.perf_counter() - first_start
-        graph_t = time_fn(lambda: graphs.run(meta, rows_in, persistent), warmup=0, iters=args.iters, sync=sync)
-        eager_t = time_fn(lambda: step(_step_inputs(meta, rows_in), persistent), warmup=1, iters=args.iters,
+        inputs = _step_inputs(meta, rows_in)
+        graph_t = time_fn(functools.partial(graphs.run, meta, rows_in, persistent), warmup=0, iters=args.iters,
                           sync=sync)
+        eager_t = time_fn(functools.partial(step, inputs, persistent), warmup=1, iters=args.iters, sync=sync)
         rows.append({"bs": bs, "first_ms": first * 1e3, "median_ms": median(graph_t) * 1e3,
                      "first/median": first / median(graph_t), "eager_ms": median(eager_t) * 1e3,
                      "eager/compiled": median(eager_t) / median(graph_t)})

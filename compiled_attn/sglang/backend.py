@@ -26,12 +26,10 @@ with exact-size metadata (CPU graph runner: one more compile).
 """
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Dict, Optional, Tuple
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -50,8 +48,8 @@ GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
 
 # (sliding window or None, is cross-attention); extend adds causal
-DecodeKey = Tuple[Optional[int], bool]
-ExtendKey = Tuple[Optional[int], bool, bool]
+DecodeKey = tuple[int | None, bool]
+ExtendKey = tuple[int | None, bool, bool]
 
 
 def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int) -> int:
@@ -59,11 +57,11 @@ def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block
     return max(1, min(bs * cdiv(max_context_len, block_size), cdiv(kv_tokens, block_size) + bs))
 
 
-def _window(layer) -> Optional[int]:
+def _window(layer) -> int | None:
     return normalize_window(getattr(layer, "sliding_window_size", -1))
 
 
-def _logit_cap(layer) -> Optional[float]:
+def _logit_cap(layer) -> float | None:
     cap = getattr(layer, "logit_cap", 0.0) or 0.0
     if cap <= 0:
         return None
@@ -92,9 +90,9 @@ class _ForwardState:
 
     forward_batch: object
     static: bool  # decode metadata from the graph buffers (pure tensor code, capacity-shaped)
-    decode: Dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
-    extend: Dict[ExtendKey, Tuple[ExtendIndex, int]] = field(default_factory=dict)
-    inputs: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None  # static: rows, lens, enc
+    decode: dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
+    extend: dict[ExtendKey, tuple[ExtendIndex, int]] = field(default_factory=dict)
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # static: rows, lens, enc
 
 
 class CompiledAttnBackend(AttentionBackend):
@@ -116,15 +114,15 @@ class CompiledAttnBackend(AttentionBackend):
             raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool) are not supported "
                                       "yet; use --attention-backend triton or torch_native for this model")
         self.block_size = block_size
-        self.forward_metadata: Optional[_ForwardState] = None
-        self.decode_keys: Dict[DecodeKey, None] = {(None, False): None}  # layer configurations seen (ordered set)
-        self.graph: Optional[_GraphState] = None
+        self.forward_metadata: _ForwardState | None = None
+        self.decode_keys: dict[DecodeKey, None] = {(None, False): None}  # layer configurations seen (ordered set)
+        self.graph: _GraphState | None = None
         self._warned_fallback = False
         pool = self.token_to_kv_pool
         layer0 = getattr(pool, "start_layer", 0) or 0
         try:  # MLA's latent pool: V is a view of K's first columns, so one gather serves both (host check, once)
             self.v_shares_k = v_is_prefix_of_k(pool.get_key_buffer(layer0), pool.get_value_buffer(layer0))
-        except Exception:  # noqa: BLE001 - a pool we can't inspect just gathers V separately
+        except Exception:
             self.v_shares_k = False
 
     @property
@@ -157,7 +155,8 @@ class CompiledAttnBackend(AttentionBackend):
         except ValueError as e:
             if not self._warned_fallback:
                 self._warned_fallback = True
-                warnings.warn(f"{e}; running this batch with exact-size metadata (a compiled step recompiles)")
+                warnings.warn(f"{e}; running this batch with exact-size metadata (a compiled step recompiles)",
+                              stacklevel=2)
             return False
         return True
 
@@ -178,13 +177,16 @@ class CompiledAttnBackend(AttentionBackend):
             raise ValueError(f"{GRAPH_KV_TOKENS_ENV} must be a positive number of KV tokens, got {env!r}")
         kv_tokens = int(env) if env else int(getattr(self.token_to_kv_pool, "size", 0) or self.req_to_token.numel())
         nblk = self.graph_block_capacity(max_bs, kv_tokens)
-        z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=self.device)  # noqa: E731
+
+        def z():
+            return torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+
         self.graph = _GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
                                  torch.arange(self.block_size, device=self.device))
 
     init_cpu_graph_state = init_cuda_graph_state
 
-    def graph_block_capacity(self, bs: int, kv_tokens: Optional[int] = None) -> int:
+    def graph_block_capacity(self, bs: int, kv_tokens: int | None = None) -> int:
         kv_tokens = kv_tokens if kv_tokens is not None else self.graph.kv_tokens
         return graph_block_capacity(bs, max_context_len=self.req_to_token.shape[1], kv_tokens=kv_tokens,
                                     block_size=self.block_size)
@@ -318,7 +320,8 @@ class CompiledAttnBackend(AttentionBackend):
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
                                encoder_lens=fb.encoder_lens, is_cross_attn=cross)
-            index = build_extend_index(self.req_to_token, meta.inputs, causal=causal, sliding_window=meta.sliding_window)
+            index = build_extend_index(self.req_to_token, meta.inputs, causal=causal,
+                                       sliding_window=meta.sliding_window)
             planned = state.extend[key] = (index, meta.num_tokens)
         index, num_tokens = planned
         if num_tokens == 0:

@@ -73,5 +73,5 @@ def ensure_sglang_importable() -> None:
             import warnings
 
             warnings.warn("compiled_attn: SGLANG_USE_CPU_ENGINE=1 needs sgl_kernel, which is "
-                          "not installed; unsetting it for this process")
+                          "not installed; unsetting it for this process", stacklevel=2)
             del os.environ["SGLANG_USE_CPU_ENGINE"]

@@ -28,8 +28,8 @@ from torch import nn
 
 from ...kv_pool import MHAKVPool, MLAKVPool, write_kv
 from .config import ModelConfig
-from .layers import AttnFn, DecoderBase, Rotary, WeightInit, rms_norm
 from .dense import linear
+from .layers import AttnFn, DecoderBase, Rotary, WeightInit, rms_norm
 
 
 class DeepSeekMLA(DecoderBase):

@@ -10,8 +10,8 @@ from torch import nn
 
 from ...kv_pool import MHAKVPool, write_kv
 from .config import ModelConfig
-from .layers import AttnFn, DecoderBase, Rotary, WeightInit
 from .dense import linear
+from .layers import AttnFn, DecoderBase, Rotary, WeightInit
 
 
 class Llama(DecoderBase):

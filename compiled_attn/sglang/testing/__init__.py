@@ -22,7 +22,17 @@ from .batches import (
     run_sglang_layer,
     write_kv,
 )
-from .geometry import GEOMETRIES, AttnGeometry, gqa, make_torch_native_backend, make_layer, make_model_runner, mha, mla_absorbed, mla_normal
+from .geometry import (
+    GEOMETRIES,
+    AttnGeometry,
+    gqa,
+    make_layer,
+    make_model_runner,
+    make_torch_native_backend,
+    mha,
+    mla_absorbed,
+    mla_normal,
+)
 from .runtime import PARALLEL_DEFAULTS, SGLANG_VERSION, import_sglang, parallel_scope, sglang_available
 
 ensure_torchvision_importable()

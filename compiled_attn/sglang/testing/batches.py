@@ -18,12 +18,12 @@ Layout conventions, as in SGLang:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .geometry import AttnGeometry, make_torch_native_backend, make_layer
+from .geometry import AttnGeometry, make_layer, make_torch_native_backend
 from .runtime import import_sglang, parallel_scope
 
 # --------------------------------------------------------------------------------------
@@ -38,8 +38,8 @@ class LayerData:
     q: torch.Tensor  # [num_tokens, H * D]
     k: torch.Tensor  # [num_tokens, Hkv * D]   (new tokens, written by the forward)
     v: torch.Tensor  # [num_tokens, Hkv * Dv]
-    prefix_k: List[torch.Tensor]  # per request [prefix_len, Hkv, D], already in the pool
-    prefix_v: List[torch.Tensor]  # per request [prefix_len, Hkv, Dv]
+    prefix_k: list[torch.Tensor]  # per request [prefix_len, Hkv, D], already in the pool
+    prefix_v: list[torch.Tensor]  # per request [prefix_len, Hkv, Dv]
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BatchData:
     extend_seq_lens: torch.Tensor  # [bs] int32 (decode: ones)
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    layers: Dict[int, LayerData] = field(default_factory=dict)
+    layers: dict[int, LayerData] = field(default_factory=dict)
     num_real_reqs: int = 0  # rows before any padding
     num_real_tokens: int = 0
 
@@ -127,8 +127,8 @@ def _build(
     prefix_lens: Sequence[int],
     new_lens: Sequence[int],
     layer_ids: Sequence[int],
-    dtype: Optional[torch.dtype],
-    pad_to_bs: Optional[int],
+    dtype: torch.dtype | None,
+    pad_to_bs: int | None,
     seq_len_fill_value: int,
 ):
     sg = import_sglang()
@@ -137,12 +137,12 @@ def _build(
     dtype = dtype or model_runner.dtype
     bs = len(new_lens)
     assert len(prefix_lens) == bs
-    seq_lens_l = [p + n for p, n in zip(prefix_lens, new_lens)]
+    seq_lens_l = [p + n for p, n in zip(prefix_lens, new_lens, strict=False)]
     assert max(seq_lens_l) <= model_runner.req_to_token_pool.max_context_len
 
     rows = model_runner.req_allocator.alloc(bs).tolist()
     req_to_token = model_runner.req_to_token_pool.req_to_token
-    out_cache_loc_l: List[int] = []
+    out_cache_loc_l: list[int] = []
     prefix_locs = []
     for i in range(bs):
         slots = model_runner.slot_allocator.alloc(seq_lens_l[i]).tolist()
@@ -166,7 +166,7 @@ def _build(
                                 prefix_k=pks, prefix_v=pvs)
 
     positions = torch.cat(
-        [torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, new_lens)]
+        [torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, new_lens, strict=False)]
     )
     req_pool_indices = torch.tensor(rows, dtype=torch.int64)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int64)
@@ -183,7 +183,8 @@ def _build(
         seq_lens = torch.cat([seq_lens, torch.full((pad,), seq_len_fill_value, dtype=torch.int64)])
         out_cache_loc = torch.cat([out_cache_loc, torch.zeros(pad, dtype=torch.int64)])
         positions = torch.cat([positions, torch.zeros(pad, dtype=torch.int64)])
-        extend_prefix_lens = torch.cat([extend_prefix_lens, torch.full((pad,), seq_len_fill_value - 1, dtype=torch.int32)])
+        pad_prefix = torch.full((pad,), seq_len_fill_value - 1, dtype=torch.int32)
+        extend_prefix_lens = torch.cat([extend_prefix_lens, pad_prefix])
         extend_seq_lens = torch.cat([extend_seq_lens, torch.ones(pad, dtype=torch.int32)])
         for ld in layers.values():
             ld.q = torch.cat([ld.q, ld.q.new_zeros(pad, ld.q.shape[1])])
@@ -240,10 +241,10 @@ def _build(
 def make_extend_batch(
     model_runner,
     extend_lens: Sequence[int],
-    prefix_lens: Optional[Sequence[int]] = None,
+    prefix_lens: Sequence[int] | None = None,
     *,
     layer_ids: Sequence[int] = (0,),
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
 ) -> BatchData:
     """An EXTEND batch. With ``prefix_lens`` (chunked prefill / radix-cache hit) the
     prefix tokens' K/V are already in the pool, in every layer of ``layer_ids``.
@@ -259,8 +260,8 @@ def make_decode_batch(
     seq_lens: Sequence[int],
     *,
     layer_ids: Sequence[int] = (0,),
-    dtype: Optional[torch.dtype] = None,
-    pad_to_bs: Optional[int] = None,
+    dtype: torch.dtype | None = None,
+    pad_to_bs: int | None = None,
     seq_len_fill_value: int = 1,
 ) -> BatchData:
     """A DECODE batch: request i has ``seq_lens[i] - 1`` tokens cached, 1 new token.

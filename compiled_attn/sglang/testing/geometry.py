@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Dict, Optional
 
 import torch
 
@@ -25,7 +24,7 @@ class AttnGeometry:
     num_kv_heads: int
     head_dim: int  # q/k head dim (576 for absorbed MLA)
     v_head_dim: int
-    scaling: Optional[float] = None  # None: head_dim ** -0.5
+    scaling: float | None = None  # None: head_dim ** -0.5
     mla: bool = False  # absorbed MLA on MLATokenToKVPool
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -78,7 +77,7 @@ def mla_absorbed(num_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_hea
     )
 
 
-GEOMETRIES: Dict[str, AttnGeometry] = {
+GEOMETRIES: dict[str, AttnGeometry] = {
     "mha": mha(),
     "gqa": gqa(),
     "mla_normal": mla_normal(),
@@ -104,7 +103,7 @@ def make_model_runner(
     max_context_len: int = 256,
     pool_size: int = 2048,
     device: str = "cpu",
-    sliding_window_size: Optional[int] = None,
+    sliding_window_size: int | None = None,
     seed: int = 0,
 ) -> SimpleNamespace:
     """A ``ModelRunner`` stand-in with the pools and the attributes attention backends read.
