@@ -4,9 +4,8 @@ Why: on CPU the decode step is bound by moving K/V. The matmul form (``decode_bl
 whole KV head of the batch and then reads it again from DRAM; ATen's flash kernel for CPU runs the per-block
 softmax in one pass and returns the log-sum-exp the block merge needs. Gathering only ``chunk_blocks`` blocks at a
 time keeps each gathered tile in the core's L2 cache, so the kernel reads it from cache rather than DRAM, and no
-gather buffer grows past the allocator's reuse threshold (a whole-batch gather of over 32 MB is mmap'ed and
-page-faulted afresh every step). Measured on the 2-core CI CPU, MHA bs=32 at mixed lengths: about 2x the
-per-request loop, against 0.9-1.4x for the matmul form.
+gather buffer grows past the allocator's reuse threshold (glibc mmaps blocks over 32 MB and page-faults them
+afresh every step). docs/performance.md has the measured effect.
 
 The chunk loop runs inside a custom op, so ``torch.compile`` sees one opaque call. Inside it, the op reads
 ``valid`` on the host (a CPU tensor in a CPU-only op, not a device sync) to skip the blocks a bucket pads with;

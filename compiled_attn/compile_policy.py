@@ -2,9 +2,9 @@
 
 - ``fullgraph=True``: a graph break would hide host work inside a step we mean to capture.
 - ``dynamic=True``: one compile serves every bucket (dynamo adds one more for size-1 dims), and each bucket is
-  then captured or replayed at its static shape. Measured on the 2-core CPU for a 4-layer decode step: a static
-  compile cost 6-19 s *per bucket* and ran no faster than the dynamic kernels, so per-bucket static compiles
-  would turn a 30-bucket warm-up into minutes. ``dynamic=False`` stays available for experiments.
+  then captured or replayed at its static shape. A static compile costs seconds *per bucket* and its kernels ran
+  no faster (docs/performance.md), so per-bucket static compiles would turn a 30-bucket warm-up into minutes.
+  ``dynamic=False`` stays available for experiments.
 - The recompile limit is raised deliberately: the default of 8 per function would make the ninth bucket raise
   ``FailOnRecompileLimitHit`` under ``fullgraph=True``.
 """

@@ -31,7 +31,7 @@ from .block_flash import (
 from .metadata import DecodeInputs
 
 #: a single request is attended in one kernel call (no split, no merge) up to this many L2-sized chunks (16 MiB of
-#: float32 K for llama-3-8b's 8 KV heads: 4096 tokens); past it the chunked split form was faster (8192 tokens)
+#: float32 K: 4096 tokens of llama-3-8b's 8 KV heads); past it the chunked split form was faster
 SINGLE_REQUEST_CHUNKS = 16
 
 
@@ -113,7 +113,7 @@ def decode_blocks(
     ms, ls, os_ = [], [], []
     # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched
     # matmuls read directly, and is 1/Hkv of the batch's K, small enough for the allocator to recycle
-    # (a whole-batch gather over 32 MB is mmap'ed and page-faulted afresh each step; measured 2x slower).
+    # (a whole-batch gather over 32 MB is mmap'ed and page-faulted afresh each step).
     for h in range(hkv):
         k = k_cache[:, h].index_select(0, flat).view(nblk, block_size, dqk).float()
         if v_shares_k:
@@ -150,7 +150,7 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     chunk = chunk_blocks_for(block_size, hkv, d)
     if bs == 1 and nblk <= SINGLE_REQUEST_CHUNKS * chunk:
         # One request needs no split: all its blocks as one sequence, one kernel call, no merge (unused blocks
-        # of the bucket are skipped). Measured at 267/1024/2048 tokens: 0.6x/0.6x/0.8x the split form's time.
+        # of the bucket are skipped); faster than the split form up to this size (docs/performance.md).
         o = sequence_flash(q.view(1, hkv, hq // hkv, d).float(), k_cache, v_cache, index.slots.view(-1),
                            index.valid.view(-1), scale)
         return o.reshape(1, hq, d).to(q.dtype)
@@ -170,7 +170,7 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     block_req: [nblk] request of each block, ``num_rows`` for unused blocks -> [num_rows, Hkv, group, Dv] float32.
 
     A custom op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
-    ``scatter_reduce_`` that ran 10-25x slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
+    ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
     compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
     """
     rows = num_rows + 1  # the extra row collects unused blocks

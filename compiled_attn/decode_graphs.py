@@ -124,7 +124,7 @@ class DecodeGraphs:
         """CPU: warm a bucket on a batch that does its full work, every row reading request row 0 over an equal
         share of the bucket's blocks (new K/V still go to the padding slot; outputs are discarded). On an all-padding
         batch the CPU decode kernel skips all work, and the first real step paid its first-call costs instead
-        (measured with ``bench-step``: first step 2-3.7x the median at bs=1). Each real run then overwrites every
+        (``bench-step`` shows it as the first step / median ratio). Each real run then overwrites every
         row, padding rows included."""
         width = min(self._table_width, self.config.max_context_len or self._table_width)
         bs, kv_tokens = key

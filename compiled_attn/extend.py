@@ -1,6 +1,6 @@
 """Extend (prefill) attention: requests padded to ``[q_cap, kv_cap]``, one batched call with a boolean mask.
 
-Batched padded SDPA was 2-3x faster than the per-request loop on CPU (DESIGN.md). SDPA's fused CPU kernel needs
+One batched SDPA call replaces the per-request loop's calls. SDPA's fused CPU kernel needs
 ``Dqk == Dv``, so a smaller V (MLA 192/128, 576/512) is zero-padded to ``Dqk`` and the output sliced back: the
 extra columns cost less than falling to the math path, which repeats K/V per head group. Soft-capped logits
 (``logit_cap``) have no SDPA form and use an explicit float32 softmax, chunked over queries to bound memory.

@@ -21,7 +21,7 @@ def tune_malloc() -> bool:
 
     glibc serves blocks over its mmap threshold with fresh mmaps and unmaps them on free, so every step of a
     batched op page-faults its multi-MB scratch afresh; on this project's VMs that made step latencies swing
-    5-10x between runs. jemalloc/tcmalloc via LD_PRELOAD do the same job. Returns whether it was applied.
+    several-fold between runs. jemalloc/tcmalloc via LD_PRELOAD do the same job. Returns whether it was applied.
     """
     if not sys.platform.startswith("linux"):
         return False

@@ -151,9 +151,8 @@ def make_decode_step(model: DecoderBase):
 class CompiledBackend(EagerBackend):
     """Decode through ``DecodeGraphs``; extend uncompiled (as ``eager``).
 
-    Why extend stays eager (measured on the 2-core CPU, llama-3-8b shapes, 2 layers, 8 x 256 tokens): the whole
-    prefill under ``torch.compile`` ran 1.5-2.0 s against 1.6-2.2 s eager (the time is the projections' GEMMs and
-    one padded SDPA per layer, external kernels either way), and each new prompt shape cost a 6-13 s compile
+    Why extend stays uncompiled: the whole prefill under ``torch.compile`` ran no faster (the time is the
+    projections' GEMMs and one SDPA per layer, external kernels either way), and each new prompt shape cost a compile
     (``dynamic=True`` does not trace ``extend_padded`` yet: ``enable_gqa`` becomes a SymBool). On CUDA SGLang also
     runs extend outside graphs. The warm-up compiles (and on CUDA captures) every decode bucket.
     """

@@ -1,7 +1,7 @@
 """``compiled-attn bench-step``: an N-layer decode step through ``DecodeGraphs`` (issue: graphs).
 
 Reports, per batch size: first step after ``warmup()`` / median step, the same ratio for a compiled step that
-was *not* warmed up (its first call compiles, the seed's 0.9 s spike), compiled vs eager median, and the cold
+was *not* warmed up (its first call compiles: the spike warm-up removes), compiled vs eager median, and the cold
 warm-up time for every bucket. ``--restart`` runs the command twice in fresh processes sharing one inductor cache
 directory (and a saved artifacts file) and compares cold vs warm start-up.
 """

@@ -1,10 +1,9 @@
 """The reference models' dense projections: ``F.linear``, routed to oneDNN for float32 on CPU.
 
 Why: every backend runs the same projections, so their cost dilutes the attention difference the benchmark is
-about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) ran a [32, 4096] x [4096, 6144] projection at
-16-19 ms against 7 ms through oneDNN (9 vs 4.5 ms at 8 rows, 85 vs 31 ms at 256). Serving stacks pack their CPU
-weights for oneDNN too (SGLang's CPU path does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses
-cuBLAS, so only CPU float32 is rerouted.
+about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) runs these projections several times slower
+than oneDNN (docs/performance.md). Serving stacks pack their CPU weights for oneDNN too (SGLang's CPU path
+does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses cuBLAS, so only CPU float32 is rerouted.
 
 The oneDNN call sits in a custom op because inductor lowers ``mkldnn._linear_pointwise`` only for weights it
 packed itself (under freezing); as an opaque op the compiled step calls the same kernel the eager backends do.
