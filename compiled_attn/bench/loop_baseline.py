@@ -1,8 +1,9 @@
 """The per-request SDPA loop of SGLang's ``torch_native`` backend, re-implemented as the benchmark baseline.
 
-Used when SGLang itself is not importable (the benchmark labels which one ran). Same algorithm: for each request,
-gather its K/V rows from the cache through ``req_to_token``, move heads first, and call
-``scaled_dot_product_attention`` once (GQA through ``enable_gqa``; a differing V width falls to SDPA's math path).
+The ``loop`` backend of ``compiled-attn bench`` and the baseline of ``bench-ops`` (``bench-sglang`` runs SGLang's own
+backend instead). Same algorithm: for each request, gather its K/V rows from the cache through ``req_to_token``,
+move heads first, and call ``scaled_dot_product_attention`` once (GQA through ``enable_gqa``; a differing V width
+falls to SDPA's math path).
 """
 from __future__ import annotations
 
