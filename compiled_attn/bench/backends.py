@@ -3,7 +3,7 @@
 * ``loop``: SGLang ``torch_native``'s algorithm, one SDPA call per request per layer (``loop_baseline``; our
   re-implementation, labelled so: SGLang's own backend needs a model runner, a server config and its pools, more
   machinery than a benchmark baseline should carry when SGLang is importable at all).
-* ``eager``: ours, uncompiled: ``plan`` once per step (host), ``decode_blocks`` / ``extend_padded`` per layer.
+* ``eager``: ours, uncompiled: ``plan`` once per step (host), ``decode_blocks`` / ``extend_tiles`` per layer.
 * ``compiled``: the whole decode step (embedding to logits and argmax) as one step function, compiled and run
   through ``DecodeGraphs`` (CUDA graphs per bucket on CUDA, compiled replay on static buffers on CPU), warmed
   before the first request. Extend runs uncompiled, as in ``eager`` (see ``CompiledBackend``).
@@ -21,10 +21,16 @@ from profiling import range as prange
 
 from ..decode import build_decode_index, decode_blocks
 from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
-from ..extend import build_extend_index, extend_padded
 from ..kv_pool import PAD_SLOT
 from ..metadata import DecodeInputs
 from ..plan import plan_decode, plan_extend
+from ..ragged_extend import (
+    build_extend_tile_index,
+    default_tile_q,
+    extend_tiles,
+    plan_extend_tiles,
+    supports_tile_flash,
+)
 from .loop_baseline import loop_decode, loop_extend
 from .models import AttnFn, DecoderBase
 
@@ -106,12 +112,14 @@ class EagerBackend(LoopBackend):
             q = _q_like(int(batch.ext_lens.sum()), hq, dqk, k_cache)
             meta = plan_extend(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens, batch.prefix_lens,
                                batch.ext_lens)
-            index = build_extend_index(req_to_token, meta.inputs, causal=meta.causal,
-                                       sliding_window=meta.sliding_window)
+            flash = supports_tile_flash(q, k_cache, v_cache, None)
+            tiles = plan_extend_tiles(meta, tile_q=default_tile_q(flash))
+            index = build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
+                                            sliding_window=tiles.sliding_window, with_mask=not flash)
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
-                return extend_padded(q, k_cache, v_cache, index, scale)
+                return extend_tiles(q, k_cache, v_cache, index, scale, cpu_flash=flash)
         return attn
 
     def decode_attn(self, model, caches, req_to_token, batch: DecodeBatch) -> AttnFn:
@@ -153,7 +161,7 @@ class CompiledBackend(EagerBackend):
 
     Why extend stays uncompiled: the whole prefill under ``torch.compile`` ran no faster (the time is the
     projections' GEMMs and one SDPA per layer, external kernels either way), and each new prompt shape cost a compile
-    (``dynamic=True`` does not trace ``extend_padded`` yet: ``enable_gqa`` becomes a SymBool). On CUDA SGLang also
+    (token counts differ per prompt). On CUDA SGLang also
     runs extend outside graphs. The warm-up compiles (and on CUDA captures) every decode bucket.
     """
 

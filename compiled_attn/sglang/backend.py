@@ -40,14 +40,21 @@ from graphs import cdiv
 
 from ..api import v_is_prefix_of_k
 from ..decode import DecodeIndex, build_decode_index, decode_blocks
-from ..extend import ExtendIndex, build_extend_index, extend_padded
 from ..metadata import DecodeInputs
 from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
+from ..ragged_extend import (
+    ExtendTileIndex,
+    build_extend_tile_index,
+    default_tile_q,
+    extend_tiles,
+    plan_extend_tiles,
+    supports_tile_flash,
+)
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
 
-# (sliding window or None, is cross-attention); extend adds causal
+# (sliding window or None, is cross-attention); extend adds causal (and its index key, the CPU flash form)
 DecodeKey = tuple[int | None, bool]
 ExtendKey = tuple[int | None, bool, bool]
 
@@ -91,7 +98,7 @@ class _ForwardState:
     forward_batch: object
     static: bool  # decode metadata from the graph buffers (pure tensor code, capacity-shaped)
     decode: dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
-    extend: dict[ExtendKey, tuple[ExtendIndex, int]] = field(default_factory=dict)
+    extend: dict[tuple, ExtendTileIndex] = field(default_factory=dict)  # ExtendKey + (CPU flash form,)
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # static: rows, lens, enc
 
 
@@ -314,19 +321,16 @@ class CompiledAttnBackend(AttentionBackend):
             # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
             # save_kv_cache=False): attend over the batch's own K/V
             return self._extend_over_given_kv(q3, k, v, layer, fb, key)
+        cap = _logit_cap(layer)
+        flash = supports_tile_flash(q3, k_cache, v_cache, cap)
         state = self._state_for(fb, decode=False)
-        planned = state.extend.get(key)
-        if planned is None:
+        index = state.extend.get((*key, flash))
+        if index is None:
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
                                encoder_lens=fb.encoder_lens, is_cross_attn=cross)
-            index = build_extend_index(self.req_to_token, meta.inputs, causal=causal,
-                                       sliding_window=meta.sliding_window)
-            planned = state.extend[key] = (index, meta.num_tokens)
-        index, num_tokens = planned
-        if num_tokens == 0:
-            return q.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
-        o = extend_padded(q3, k_cache, v_cache, index, layer.scaling, _logit_cap(layer))
+            index = state.extend[(*key, flash)] = _tile_index(self.req_to_token, meta, flash)
+        o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _extend_over_given_kv(self, q3, k, v, layer, fb, key):
@@ -347,11 +351,17 @@ class CompiledAttnBackend(AttentionBackend):
         v3 = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
         meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
                            lens_dev, causal=key[2], sliding_window=key[0])
-        if meta.num_tokens == 0:
-            return q3.new_zeros(0, layer.tp_q_head_num * layer.v_head_dim)
-        index = build_extend_index(table, meta.inputs, causal=meta.causal, sliding_window=meta.sliding_window)
-        o = extend_padded(q3, k3, v3, index, layer.scaling, _logit_cap(layer))
+        cap = _logit_cap(layer)
+        flash = supports_tile_flash(q3, k3, v3, cap)
+        o = extend_tiles(q3, k3, v3, _tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _tile_index(req_to_token: torch.Tensor, meta, flash: bool) -> ExtendTileIndex:
+    """The tiled extend's per-step index of a planned batch (the CPU flash form needs no mask)."""
+    tiles = plan_extend_tiles(meta, tile_q=default_tile_q(flash))
+    return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
+                                   sliding_window=tiles.sliding_window, with_mask=not flash)
 
 
 def _host(cpu_copy, tensor) -> torch.Tensor:

@@ -1,0 +1,215 @@
+"""The CPU form of the ragged tiled extend: each query tile's key tiles through ATen's CPU flash kernel.
+
+Why spans, not one kernel call per (query tile, key tile) pair: the kernel ran at about half its speed on 64-key
+inputs (its key blocks are 512 long), and every pair would write a partial output the size of its query tile, so
+a query row near the end of a 2048-token prompt would be merged from 32 partials. Here the consecutive key tiles of
+one query tile (the plan lists them in order, contiguous in key positions) are attended in spans of up to
+``span_keys`` keys, one kernel call each; a query tile's few spans are merged by the log-sum-exp rule straight into
+its output rows (a query tile owns its rows, so no other tile writes them). The query tiles of one request read
+prefixes of the same keys (all the same keys when non-causal), so a request's keys are gathered once and its
+tiles read slices of that gather (up to ``HELD_BYTES``; past it each span gathers its own keys).
+
+Only valid keys and queries are gathered (a pair's counts trim its tile), so the padding slot is never read and
+NaN/Inf there cannot reach any output. A span is masked (additive bias) only when one of its pairs is not fully
+visible; fully visible spans run without a mask. A causal tile that sees exactly the keys ``[0, n_q)`` (a request's
+first tile when it has no prefix) is the kernel's own top-left causal case and runs with ``is_causal`` (heads
+unfolded: the causal rows must be positions), which skips the masked half (3-9% of a no-prefix batch, 1 thread).
+
+The loop runs inside a custom op: ``torch.compile`` sees one opaque call, and the op reads its small per-pair
+CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a bucket's padding.
+Only the kernel calls run multi-threaded: the op's gathers, copies and merges are a few MiB each next to kernel
+calls of tens of ms, and as parallel regions on a shared 2-core machine they stalled on a descheduled thread
+(they took as long as the kernel calls); on one thread they cost a few percent.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@contextlib.contextmanager
+def run_on_threads(n: int):
+    """Run the enclosed ops on ``n`` intra-op threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+#: float32 K bytes gathered per kernel call (2048 keys of 8 KV heads x 128). The kernel is compute-bound here (a
+#: gathered key serves group * TQ query rows), so L2-sized spans bought nothing: 256-key spans ran at about half
+#: the kernel's speed and spans of 1024-4096 keys within noise of each other; fewer spans, fewer merges.
+SPAN_BYTES = 8 << 20
+#: the most float32 K bytes of one request's keys held across its query tiles (V doubles it)
+HELD_BYTES = 64 << 20
+
+
+def span_keys_for(num_kv_heads: int, head_dim: int) -> int:
+    """Keys per gathered span so that its float32 K is about ``SPAN_BYTES``."""
+    return max(64, SPAN_BYTES // (num_kv_heads * head_dim * 4))
+
+
+def supports_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        logit_cap: float | None) -> bool:
+    """ATen's CPU flash kernel has no soft-cap and needs one head size for Q, K and V: a narrower V (MLA-normal
+    192/128) is zero-padded to Dqk after the gather and the output sliced back; the padded columns cost less than
+    the matmul form."""
+    return (q.device.type == "cpu" and logit_cap is None
+            and q.shape[-1] == k_cache.shape[-1] >= v_cache.shape[-1])
+
+
+def _runs(q_start: list[int], k_count: list[int]) -> list[tuple[int, int]]:
+    """The pair list cut into runs ``[i, j)``: the consecutive pairs of one query tile (a bucket's padding, pairs
+    with no key, skipped). A run's keys are one contiguous range of positions, valid ones first."""
+    runs, i, n = [], 0, len(q_start)
+    while i < n:
+        if k_count[i] == 0:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and q_start[j] == q_start[i] and k_count[j]:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """Two normalised partial softmaxes of the same rows -> one (log-sum-exp rule); a row with no key on either
+    side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]. One pass over the outputs (``lerp``): on a
+    shared 2-core machine every large elementwise op is a parallel region that can stall on a descheduled thread,
+    so the weights are computed on the small ``lse`` tensors."""
+    m = torch.maximum(lse_a, lse_b).clamp_min(torch.finfo(torch.float32).min)  # finite: no inf - inf
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    den = w_a + w_b
+    o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None])
+    return o, m + torch.log(den)
+
+
+@torch.library.custom_op("compiled_attn::ragged_tile_flash", mutates_args=())
+def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      q_start: torch.Tensor, q_count: torch.Tensor, k_count: torch.Tensor, full: torch.Tensor,
+                      q_rel: torch.Tensor, scale: float, span_keys: int, causal: bool, window: int) -> torch.Tensor:
+    """Ragged extend attention over the plan's (query tile, key tile) pairs, on CPU.
+
+    q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D
+    slots: [P, TK] int64, a pair's key slots, valid ones first (``k_count`` of them)
+    q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (see ``ExtendTilePlan``)
+    causal, window: the mask of spans that are not full (window -1: none)
+    returns [num_tokens, Hkv, group, Dv] float32 (zeros for a query that sees no key).
+    """
+    kernel_threads = torch.get_num_threads()
+
+    def flash(*args, **kwargs):  # the kernel calls get the caller's threads; the small ops around them get one
+        with run_on_threads(kernel_threads):
+            return _aten_flash_cpu(*args, **kwargs)
+
+    with run_on_threads(1):
+        return _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale,
+                                  span_keys, causal, window)
+
+
+def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
+                       causal, window):
+    t, hq, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    group = hq // hkv
+    # empty, not zeros: a fresh zero fill of a large output was page-faulted every call; rows that no tile
+    # writes (queries that see no key) are zeroed at the end
+    out = q.new_empty((t, hkv, group, dv), dtype=torch.float32)
+    written = torch.zeros(t, dtype=torch.bool)
+    qs, qc, kc, fl, rel = q_start.tolist(), q_count.tolist(), k_count.tolist(), full.tolist(), q_rel.tolist()
+    tk = slots.shape[1]
+    flat_slots = slots.reshape(-1)
+
+    def gather(idx):
+        k, v = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        if dv < d:  # zero columns: the kernel's output gains d - dv columns of zeros, sliced off at the end
+            v = torch.nn.functional.pad(v, (0, d - dv))
+        n = idx.shape[0]
+        return k.view(1, n, hkv, d).transpose(1, 2), v.view(1, n, hkv, d).transpose(1, 2)
+
+    runs = _runs(qs, kc)
+    n_keys = [sum(kc[i:j]) for i, j in runs]
+    first_slot = slots[:, 0].tolist()
+    max_held = HELD_BYTES // (hkv * d * 4)
+    held = (None, None, None)  # (slots, k, v) of the last gather
+    for r, (i, j) in enumerate(runs):
+        n_q, n_k = qc[i], n_keys[r]
+        keys = flat_slots[i * tk:i * tk + n_k]  # key tiles are contiguous and only a range's last is partial
+        if n_k > max_held:
+            held = (None, None, None)
+        elif held[0] is None or held[0].shape[0] < n_k or not torch.equal(held[0][:n_k], keys):
+            s_ = r  # the longest run from here on that starts at the same key
+            while s_ + 1 < len(runs) and first_slot[runs[s_ + 1][0]] == first_slot[i]:
+                s_ += 1
+            best = max(range(r, s_ + 1), key=lambda x: n_keys[x])
+            big = flat_slots[runs[best][0] * tk:runs[best][0] * tk + n_keys[best]]
+            if n_keys[best] > max_held or not torch.equal(big[:n_k], keys):
+                big = keys
+            held = (big, *gather(big))
+        q_tile = q[qs[i]:qs[i] + n_q]
+        acc = None
+        if causal and window < 0 and rel[i] == 0 and n_k == n_q:
+            # a tile that sees exactly keys [0, n_q) (a request's first tile, no prefix) is the kernel's own causal
+            # case (top-left aligned): heads unfolded, the kernel skips the masked half
+            k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
+            o, _ = flash(q_tile.permute(1, 0, 2)[None].float(), k, v, 0.0, True, scale=scale)
+            out[qs[i]:qs[i] + n_q] = o[0, ..., :dv].permute(1, 0, 2).reshape(n_q, hkv, group, dv)
+            written[qs[i]:qs[i] + n_q] = True
+            continue
+        # the group's heads go into the query-sequence dimension: one K/V head serves group * n_q rows
+        folded = q_tile.view(n_q, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n_q, d).float()
+        a = i
+        while a < j:  # spans of consecutive pairs, at most span_keys keys (at least one pair)
+            b, n = a + 1, kc[a]
+            while b < j and n + kc[b] <= span_keys:
+                n, b = n + kc[b], b + 1
+            lo = (a - i) * tk
+            if held[0] is None:
+                k, v = gather(keys[lo:lo + n])
+            else:
+                k, v = held[1][:, :, lo:lo + n], held[2][:, :, lo:lo + n]
+            if all(fl[a:b]):
+                acc = _accumulate(acc, *flash(folded, k, v, 0.0, False, scale=scale))
+            else:
+                vis = _visible(rel[a], n_q, n, causal, window).repeat(group, 1)
+                bias = torch.where(vis, 0.0, float("-inf"))[None, None]
+                o, lse = flash(folded, k, v, 0.0, False, attn_mask=bias, scale=scale)
+                # the kernel gives a row with every key masked lse 0 (o 0); it must weigh nothing in a merge
+                acc = _accumulate(acc, o, torch.where(vis.any(1), lse, float("-inf")))
+            a = b
+        out[qs[i]:qs[i] + n_q] = acc[0][0].view(hkv, group, n_q, d)[..., :dv].permute(2, 0, 1, 3)
+        written[qs[i]:qs[i] + n_q] = True
+    if not bool(written.all()):
+        out[~written] = 0.0
+    return out
+
+
+def _visible(first: int, n_q: int, n_k: int, causal: bool, window: int) -> torch.Tensor:
+    """[n_q, n_k] bool: key c visible to query a, whose position relative to the span's first key is first + a."""
+    qpos = torch.arange(first, first + n_q)[:, None]
+    keys = torch.arange(n_k)[None, :]
+    vis = torch.ones(n_q, n_k, dtype=torch.bool)
+    if causal:
+        vis &= keys <= qpos
+    if window >= 0:
+        vis &= keys >= qpos - window
+    return vis
+
+
+def _accumulate(acc, o, lse):
+    return (o, lse) if acc is None else _merge(acc[0], acc[1], o, lse)
+
+
+@ragged_tile_flash.register_fake
+def _ragged_tile_flash_fake(q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
+                            causal, window):
+    hkv = k_cache.shape[1]
+    return q.new_empty((q.shape[0], hkv, q.shape[1] // hkv, v_cache.shape[2]), dtype=torch.float32)

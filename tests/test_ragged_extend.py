@@ -1,0 +1,214 @@
+"""Ragged tiled extend (compiled_attn.ragged_extend) against the float64 reference, both forms, every feature."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_attention
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+
+from compiled_attn.bench.batches import make_batch
+from compiled_attn.compile_policy import compile_step
+from compiled_attn.plan import plan_extend
+from compiled_attn.ragged_extend import build_extend_tile_index, extend_tiled, extend_tiles, plan_extend_tiles
+
+SHAPES = {  # name: (hq, hkv, dqk, dv)
+    "mha": (4, 4, 32, 32),
+    "gqa": (8, 2, 32, 32),
+    "mqa": (8, 1, 16, 16),
+    "mla_normal": (4, 4, 48, 32),  # qk 192 / v 128 in miniature
+}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+FORMS = {"flash": True, "matmul": False}
+
+
+def _run(b, form="matmul", *, causal=True, sliding_window=None, is_cross_attn=False, scale=None, logit_cap=None,
+         **kw):
+    meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
+                       causal=causal, sliding_window=sliding_window, encoder_lens=b.encoder_lens,
+                       is_cross_attn=is_cross_attn)
+    scale = b.q.shape[2] ** -0.5 if scale is None else scale
+    return extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, scale, logit_cap, cpu_flash=FORMS[form],
+                        **kw)
+
+
+def _ref(b, **kw):
+    kw.pop("tile_q", None), kw.pop("tile_k", None), kw.pop("pair_capacity", None)
+    return reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                               b.ext_lens, encoder_lens=b.encoder_lens, **kw)
+
+
+def _check(b, form, dtype=torch.float32, **kw):
+    out, ref = _run(b, form, **kw), _ref(b, **kw)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= TOL[dtype], f"max abs error {err}"
+    return out
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_shapes_and_dtypes(shape, dtype, form):
+    hq, hkv, dqk, dv = SHAPES[shape]
+    b = make_batch([9, 40, 1, 23, 70], [4, 17, 0, 0, 30], hq=hq, hkv=hkv, dqk=dqk, dv=dv, dtype=dtype, seed=1)
+    _check(b, form, dtype, tile_q=8, tile_k=16)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("window", [0, 1, 7, 100])
+def test_sliding_window(window, form):
+    b = make_batch([12, 50, 20, 90], [0, 30, 5, 45], hq=4, hkv=2, seed=3)
+    _check(b, form, sliding_window=window, tile_q=8, tile_k=8)
+
+
+@pytest.mark.parametrize("cap", [1.0, 30.0])
+def test_logit_cap_matmul_form(cap):
+    b = make_batch([12, 50, 20], [0, 30, 5], hq=4, hkv=2, seed=5)
+    b.q.mul_(4)  # big logits so the cap matters
+    _check(b, "matmul", logit_cap=cap, tile_q=8, tile_k=8)
+    _check(b, "matmul", logit_cap=cap, sliding_window=9, tile_q=8, tile_k=8)
+    with pytest.raises(ValueError):
+        _run(b, "flash", logit_cap=cap)
+
+
+def test_matmul_form_needs_the_mask():
+    b = make_batch([12, 5], hq=4, hkv=2)
+    tiles = _tiles(b, tile_q=8, tile_k=8)
+    index = build_extend_tile_index(b.req_to_token, tiles.inputs, causal=True, sliding_window=None,
+                                    with_mask=False)
+    with pytest.raises(ValueError, match="with_mask"):
+        extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, cpu_flash=False)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_encoder_only_non_causal(with_prefix, form):
+    b = make_batch([9, 40, 1], [3, 10, 0] if with_prefix else None, hq=4, hkv=2, seed=6)
+    _check(b, form, causal=False, tile_q=8, tile_k=8)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_cross_attention_and_decoder_self_attention(form):
+    b = make_batch([4, 6, 3], [1, 2, 0], hq=4, hkv=2, encoder_lens=[5, 0, 17], seed=7)
+    out = _check(b, form, is_cross_attn=True, tile_q=4, tile_k=4)
+    assert out[3:7].abs().max() == 0  # encoder length 0: zeros, not NaN
+    _check(b, form, tile_q=4, tile_k=4)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_zero_length_requests_and_no_new_tokens(form):
+    b = make_batch([5, 0, 3, 8], [2, 0, 0, 8], hq=4, hkv=2)
+    _check(b, form, tile_q=4, tile_k=4)
+    e = make_batch([5, 7], [5, 7], hq=4, hkv=2)  # an extend with no new tokens
+    out = _run(e, form)
+    assert out.shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"causal": False}, {"is_cross_attn": True}])
+def test_nan_in_unowned_slots_never_reaches_output(form, kw):
+    """Every slot no request owns (slot 0, the padding target, included) holds NaN; no output may change."""
+    b = make_batch([13, 40, 1, 29], [5, 0, 0, 20], hq=4, hkv=2, encoder_lens=[3, 9, 0, 4], seed=8)
+    owned = torch.zeros(b.k_cache.shape[0], dtype=torch.bool)
+    for row, n in zip(b.rows.tolist(), (b.seq_lens + b.encoder_lens).tolist(), strict=False):
+        owned[b.req_to_token[row, :n].long()] = True
+    clean = _run(b, form, tile_q=8, tile_k=8, **kw)
+    b.k_cache[~owned] = float("nan")
+    b.v_cache[~owned] = float("inf")
+    out = _check(b, form, tile_q=8, tile_k=8, **kw)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_batches(data):
+    bs = data.draw(st.integers(1, 5))
+    ext = data.draw(st.lists(st.integers(0, 40), min_size=bs, max_size=bs))
+    pre = data.draw(st.lists(st.integers(0, 60), min_size=bs, max_size=bs))
+    window = data.draw(st.sampled_from([None, 0, 3, 17, 64]))
+    causal = data.draw(st.booleans()) if window is None else True
+    tq, tk = data.draw(st.sampled_from([4, 8, 16])), data.draw(st.sampled_from([4, 8, 16]))
+    seed = data.draw(st.integers(0, 1000))
+    b = make_batch([a + c for a, c in zip(ext, pre, strict=False)], pre, hq=4, hkv=2, seed=seed)
+    for form in FORMS:
+        _check(b, form, causal=causal, sliding_window=window, tile_q=tq, tile_k=tk)
+
+
+@pytest.mark.parametrize("held_bytes", [None, 1])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 11}, {"causal": False}])
+def test_flash_form_spans_merge_and_per_span_gathers(kw, held_bytes, monkeypatch):
+    """Small spans: a query tile's keys in several kernel calls merged by log-sum-exp; with ``HELD_BYTES`` 1 every
+    span gathers its own keys instead of slicing its request's."""
+    import compiled_attn.ragged_extend_flash as flash
+
+    if held_bytes is not None:
+        monkeypatch.setattr(flash, "HELD_BYTES", held_bytes)
+    b = make_batch([40, 70, 3, 33], [20, 0, 0, 30], hq=8, hkv=2, seed=12)
+    tiles = _tiles(b, tile_q=16, tile_k=8, **kw)
+    index = build_extend_tile_index(b.req_to_token, tiles.inputs, causal=tiles.causal,
+                                    sliding_window=tiles.sliding_window, with_mask=False)
+    for span in (8, 24):
+        out = extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, cpu_flash=True, span_keys=span)
+        assert (out.double() - _ref(b, scale=0.25, **kw)).abs().max() < 1e-4
+
+
+def _tiles(b, causal=True, sliding_window=None, **kw):
+    meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
+                       causal=causal, sliding_window=sliding_window)
+    return plan_extend_tiles(meta, **kw)
+
+
+def test_computed_pairs_close_to_useful_at_tile_64():
+    g = torch.Generator().manual_seed(0)
+    new = torch.randint(32, 1025, (16,), generator=g)
+    pre = torch.randint(0, 1025, (16,), generator=g) * (torch.rand(16, generator=g) < 0.5)
+    b = make_batch((new + pre).tolist(), pre.tolist(), hq=1, hkv=1, dqk=4)
+    t = _tiles(b, tile_q=64, tile_k=64)
+    assert t.useful_qk == int(sum(n * p + n * (n + 1) // 2 for n, p in zip(new.tolist(), pre.tolist(), strict=False)))
+    assert t.computed_qk <= 1.15 * t.useful_qk, (t.computed_qk, t.useful_qk)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_padded_pairs_do_nothing(form):
+    b = make_batch([30, 9], [10, 0], hq=4, hkv=2, seed=11)
+    exact = _run(b, form, tile_q=8, tile_k=8)
+    needed = _tiles(b, tile_q=8, tile_k=8).pairs_needed
+    torch.testing.assert_close(_run(b, form, tile_q=8, tile_k=8, pair_capacity=needed + 37), exact, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pair_capacity"):
+        _run(b, form, tile_q=8, tile_k=8, pair_capacity=needed - 1)
+
+
+def test_plan_pairs_of_a_small_request():
+    b = make_batch([10], [4], hq=1, hkv=1, dqk=4)
+    t = _tiles(b, tile_q=4, tile_k=4)
+    # queries at positions 4..9 (two tiles: 4..7, 8..9) over keys 0..9 (tiles 0-3, 4-7, 8-9)
+    assert t.pairs_needed == 5 and t.inputs.k_count.tolist() == [4, 4, 4, 4, 2]
+    assert t.inputs.full.tolist() == [1, 0, 1, 1, 0]
+
+
+def _step(q, k_cache, v_cache, table, inputs, cpu_flash):
+    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=not cpu_flash)
+    return extend_tiles(q, k_cache, v_cache, index, 0.25, cpu_flash=cpu_flash)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_compiles_fullgraph_once_per_pair_bucket(form):
+    """Inductor for the CPU flash form (as served); the matmul form (whose inductor compile takes a while on
+    CPU) through a counting backend, which still traces with fullgraph=True and counts every (re)compile."""
+    torch._dynamo.reset()
+    if form == "flash":
+        fn = compile_step(_step)
+    else:
+        backend = CompileCounter()
+        fn = torch.compile(_step, backend=backend, fullgraph=True, dynamic=True)
+    graphs = []
+    # two batches with different lengths and token counts, one pair bucket
+    for seq, prefix in (([40, 20, 9], [10, 0, 2]), ([31, 64, 12, 5], [0, 30, 7, 0])):
+        b = make_batch(seq, prefix, hq=4, hkv=2, width=80, seed=len(seq))
+        tiles = _tiles(b, tile_q=8, tile_k=8, pair_capacity=64)
+        out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, FORMS[form])
+        assert (out.double() - _ref(b, scale=0.25)).abs().max() < 1e-4
+        graphs.append(counters["stats"]["unique_graphs"] if form == "flash" else backend.frame_count)
+    assert graphs[0] >= 1 and graphs[0] == graphs[1], "a new batch in the same pair bucket recompiled"
