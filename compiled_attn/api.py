@@ -22,7 +22,7 @@ def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def _scale(scale, dqk: int) -> float:
-    return float(dqk) ** -0.5 if scale is None else float(scale)
+    return float(dqk) ** -0.5 if scale is None else validate.check_positive_number("scale", scale)
 
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None,
@@ -37,8 +37,11 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     validate.check_window_and_cap(None, logit_cap)
     meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn)
+    scale = _scale(scale, q.shape[2])
+    if meta.num_real == 0:  # as extend: an empty batch is an empty output, not an error from index_select
+        return q.new_zeros(0, q.shape[1], v_cache.shape[2])
     return decode_blocks(q, k_cache, v_cache, build_decode_index(req_to_token, meta.inputs),
-                         _scale(scale, q.shape[2]), logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache))
+                         scale, logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache))
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
@@ -54,7 +57,8 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     meta = plan_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn)
+    scale = _scale(scale, q.shape[2])
     if meta.num_tokens == 0:  # nothing to gather from an empty q
         return q.new_zeros(0, q.shape[1], v_cache.shape[2])
     index = build_extend_index(req_to_token, meta.inputs, causal=meta.causal, sliding_window=meta.sliding_window)
-    return extend_padded(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap)
+    return extend_padded(q, k_cache, v_cache, index, scale, logit_cap)

@@ -53,11 +53,14 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     """Attention of each block's queries over that block's keys.
 
     q: [nblk, Hkv, group, D] float32 (a block's queries: its request's heads, grouped by KV head)
-    k_cache, v_cache: [num_slots, Hkv, D]; slots: [nblk, block_size] int64; valid: [nblk, block_size] bool
+    k_cache, v_cache: [num_slots, Hkv, D]; slots: [nblk, block_size] int64; valid: [nblk, block_size] bool.
+    Where ``valid`` is False, ``slots`` must name a slot with finite data (``build_decode_index`` gives the block's
+    own first slot): the -inf mask is added to the scores, and -inf + NaN is NaN.
     returns o: [nblk, Hkv, group, D] float32 (normalised within the block, zeros for a block with no valid key)
     and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
     """
     nblk = q.shape[0]
+    q = q.contiguous()  # the ATen kernel reads q through its strides unchecked: a strided head dim gave garbage
     # A bucket pads the batch with blocks (rows) and a single request with positions (columns) that have no valid
     # key; they sit after the valid ones. Reading ``valid`` here is a host read of a CPU tensor (this op is
     # CPU-only), not a device sync, and skipping them makes a compiled bucket cost what its batch needs.
@@ -107,7 +110,8 @@ def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if n == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
     k, v = _gather_kv(k_cache, v_cache, slots[:n], 1, n)
-    o, _ = _flash_cpu(q, k, v, 0.0, False, scale=scale)
+    # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
+    o, _ = _flash_cpu(q.contiguous(), k, v, 0.0, False, scale=scale)
     return o.contiguous()
 
 

@@ -22,6 +22,7 @@ import torch
 
 from graphs import cdiv
 
+from . import validate
 from .block_flash import (
     block_flash,
     chunk_blocks_for,
@@ -40,7 +41,8 @@ class DecodeIndex:
     """Per-step block table shared by every layer (built once per step by ``build_decode_index``).
 
     block_req: [num_blocks] int64, the batch row each block belongs to (``num_rows`` for unused blocks)
-    slots:     [num_blocks, block_size] int64, KV slot of each block position (slot 0 where invalid)
+    slots:     [num_blocks, block_size] int64, KV slot of each block position; where invalid, the block's first
+               slot (a slot its own request owns), and 0 in an unused block
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
     """
 
@@ -70,9 +72,13 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs) -> Deco
     start = kv_lo[req] + (block_ids - firsts[req]) * block_size  # [num_blocks]
     pos = start[:, None] + block_offsets[None, :]  # [num_blocks, block_size]
     valid = used[:, None] & (pos < kv_hi[req][:, None])
-    pos = torch.where(valid, pos, 0)
+    # A masked position gathers its block's first key (inside the request's range for a used block), never a slot
+    # no request owns: SGLang writes padded rows' K/V to slot 0 and a fresh pool is uninitialised memory, and a
+    # NaN gathered there survives any mask that multiplies or adds (0 * NaN, -inf + NaN). The kernels then only
+    # ever see finite keys they mask out; an unused block (its row is discarded) reads the padding slot.
+    pos = torch.where(valid, pos, torch.where(used, start, 0)[:, None])
     slots = req_to_token[req_rows[req][:, None], pos].to(torch.int64)
-    slots = torch.where(valid, slots, 0)
+    slots = torch.where(used[:, None], slots, 0)
     return DecodeIndex(block_req=block_req, slots=slots, valid=valid)
 
 
@@ -99,6 +105,10 @@ def decode_blocks(
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     nblk, block_size = index.slots.shape
+    if not torch.compiler.is_compiling():  # a Python number: checked once at trace time, free at replay
+        validate.check_positive_number("scale", scale)
+    if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
+        return q.new_zeros(0, hq, dv)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash is None:
         cpu_flash = flash_fits
@@ -123,9 +133,10 @@ def decode_blocks(
         s = torch.bmm(qb[:, h], k.transpose(1, 2))  # [nblk, group, block_size]
         if logit_cap is not None:
             s = logit_cap * torch.tanh(s / logit_cap)
+        # select, never multiply: a masked score or weight is replaced, so nothing gathered there reaches the sums
         s = s.masked_fill(~valid, torch.finfo(torch.float32).min)
         m = s.amax(-1)
-        p = torch.exp(s - m[..., None]) * valid
+        p = torch.where(valid, torch.exp(s - m[..., None]), 0.0)
         ms.append(m)
         ls.append(p.sum(-1))
         os_.append(torch.bmm(p, v))  # [nblk, group, dv]
@@ -151,7 +162,7 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if bs == 1 and nblk <= SINGLE_REQUEST_CHUNKS * chunk:
         # One request needs no split: all its blocks as one sequence, one kernel call, no merge (unused blocks
         # of the bucket are skipped); faster than the split form up to this size (docs/performance.md).
-        o = sequence_flash(q.view(1, hkv, hq // hkv, d).float(), k_cache, v_cache, index.slots.view(-1),
+        o = sequence_flash(q.reshape(1, hkv, hq // hkv, d).float(), k_cache, v_cache, index.slots.view(-1),
                            index.valid.view(-1), scale)
         return o.reshape(1, hq, d).to(q.dtype)
     o, lse = block_flash(_block_queries(q, index, hkv), k_cache, v_cache, index.slots, index.valid, scale,

@@ -12,6 +12,7 @@ batch's real lengths, not the table width. The switches mean what they mean in S
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 
 from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers, cdiv
 
+from . import validate
 from .compile_policy import compile_step
 from .metadata import DecodeInputs, DecodeMetadata
 
@@ -28,11 +30,24 @@ ROW_FIELDS = DecodeInputs._fields[:3]
 
 @dataclass(frozen=True)
 class RowInput:
-    """A per-row step input: trailing shape (after the batch dim), dtype, and the value padded rows get."""
+    """A per-row step input: trailing shape (after the batch dim), dtype, and the value padded rows get.
+
+    slots: the input indexes the KV caches (``out_cache_loc``): ``DecodeGraphs.run`` checks it lies in
+        ``[0, num_slots)`` before the replay, where an index would wrap or fault instead of raising.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     fill: int | float = 0
+    slots: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"RowInput.dtype must be a torch.dtype, got {self.dtype!r}")
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape):
+            raise ValueError(f"RowInput.shape must be non-negative ints, got {self.shape!r}")
+        if self.slots and (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise TypeError(f"RowInput(slots=True) must have an integer dtype, got {self.dtype}")
 
 
 @dataclass
@@ -58,10 +73,45 @@ class GraphConfig:
     warmup_iters: int | None = None
     progress: bool = True
 
+    def __post_init__(self):
+        # every field checked here, so a bad value names itself instead of failing inside the bucket maths
+        for name in ("max_batch_size", "max_kv_tokens", "torch_compile_max_bs", "block_size", "min_kv_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("max_context_len", "warmup_iters"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if isinstance(self.kv_growth, bool) or not isinstance(self.kv_growth, (int, float)) \
+                or not math.isfinite(self.kv_growth) or self.kv_growth <= 1:
+            raise ValueError(f"GraphConfig.kv_growth must be a finite number > 1, got {self.kv_growth!r}")
+        if self.cuda_graph_bs is not None:
+            if isinstance(self.cuda_graph_bs, (str, bytes)) or not isinstance(self.cuda_graph_bs, Sequence) \
+                    or not self.cuda_graph_bs:
+                raise ValueError(f"GraphConfig.cuda_graph_bs must be a non-empty list of ints >= 1, "
+                                 f"got {self.cuda_graph_bs!r}")
+            for b in self.cuda_graph_bs:
+                _check_int("cuda_graph_bs entry", b, 1)
+
     def policy(self) -> BucketPolicy:
         return BucketPolicy.create(self.max_batch_size, self.max_kv_tokens, batch_sizes=self.cuda_graph_bs,
                                    min_kv_tokens=max(self.min_kv_tokens, self.block_size),
                                    kv_growth=self.kv_growth)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"GraphConfig.{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"GraphConfig.{name} must be >= {minimum}, got {value}")
+
+
+def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
+    """The slot count of the KV caches: the floating-point persistent tensors, indexed by slot along dim 0 (the
+    smallest, should they differ)."""
+    sizes = [t.shape[0] for t in persistent.values()
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
+    if not sizes:
+        raise ValueError("persistent holds no floating-point tensor (KV cache) to check slots against")
+    return min(sizes)
 
 
 class DecodeGraphs:
@@ -70,10 +120,20 @@ class DecodeGraphs:
     ``run`` takes the real batch's ``DecodeMetadata`` (planned without padding) and per-row inputs, picks the
     smallest bucket that holds both, copies the rows into its static buffers and replays. A batch beyond the
     largest bucket runs the step without a graph (warned once).
+
+    check_slots: before each replay, check that the batch's slot inputs (``RowInput(slots=True)``) and, unless
+        plan already did (``meta.slots_checked``), the req_to_token entries it reads are slots of the caches
+        (``cache_slots``): inside a replay an out-of-range index wraps or faults. A host read (a sync on CUDA).
     """
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, device: torch.device | str,
-                 row_inputs: Mapping[str, RowInput]):
+                 row_inputs: Mapping[str, RowInput], check_slots: bool = True):
+        if not isinstance(config, GraphConfig):
+            raise TypeError(f"config must be a GraphConfig, got {type(config).__name__}")
+        for name, spec in row_inputs.items():
+            if not isinstance(spec, RowInput):
+                raise TypeError(f"row_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+        self.check_slots = check_slots
         self.config = config
         self.device = torch.device(device)
         self.policy = config.policy()
@@ -136,7 +196,11 @@ class DecodeGraphs:
     def warmup(self, persistent: Mapping[str, torch.Tensor]) -> dict:
         """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``."""
         table = persistent.get("req_to_token")
-        self._table_width = int(table.shape[1]) if table is not None else 0
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
+                             f"table every step indexes; got {type(table).__name__ if table is not None else 'none'}"
+                             f" (keys: {sorted(persistent)})")
+        self._table_width = int(table.shape[1])
         timings = {}
         for runner in self.runners:
             timings.update(runner.warmup(persistent))
@@ -164,9 +228,23 @@ class DecodeGraphs:
         if meta.block_size != self.config.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != config block_size "
                              f"{self.config.block_size}")
+        if self.check_slots:
+            self._check_slots(meta, rows, persistent)
         key = self.key_for(meta)
         runner = self._runner_of.get(key, self.runners[0])
         return runner.run_sliced(key, self.inputs_for(meta, rows, key), persistent)
+
+    def _check_slots(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor],
+                     persistent: Mapping[str, torch.Tensor]) -> None:
+        """The one slot-range rule of ``plan_decode``, applied before a replay (module doc of ``validate``)."""
+        num_slots = cache_slots(persistent)
+        for name, spec in self.row_inputs.items():
+            if spec.slots and name in rows:
+                validate.check_slot_values(name, rows[name][: meta.num_real], num_slots)
+        if not meta.slots_checked:
+            n, planned = meta.num_real, meta.inputs
+            validate.check_slots(persistent["req_to_token"], planned.req_rows[:n].cpu(), planned.kv_lo[:n].cpu(),
+                                 planned.kv_hi[:n].cpu(), num_slots)
 
     @property
     def stats(self):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import validate
 from .metadata import ExtendInputs
 
 
@@ -41,8 +42,13 @@ def build_extend_index(req_to_token: torch.Tensor, inputs: ExtendInputs, *, caus
     q_valid = q_ids[None, :] < q_len[:, None]  # [bs, q_cap]
     q_gather = torch.where(q_valid, q_offsets[:, None] + q_ids[None, :], 0)
     kv_valid = kv_ids[None, :] < kv_len[:, None]  # [bs, kv_cap]
-    pos = torch.where(kv_valid, kv_lo[:, None] + kv_ids[None, :], 0)
-    slots = torch.where(kv_valid, req_to_token[req_rows[:, None], pos].to(torch.int64), 0)
+    has_kv = kv_len > 0
+    # a padding key gathers the request's first key, a slot it owns, never slot 0 or another unowned slot: a NaN
+    # there (SGLang's padding writes, a fresh pool) survives the mask (-inf + NaN, 0 * NaN). A request with no key
+    # at all reads the padding slot; its rows are zeroed by selection in extend_padded
+    first = torch.where(has_kv, kv_lo, 0)[:, None]
+    pos = torch.where(kv_valid, kv_lo[:, None] + kv_ids[None, :], first)
+    slots = torch.where(has_kv[:, None], req_to_token[req_rows[:, None], pos].to(torch.int64), 0)
     qpos = (q_first[:, None] + q_ids[None, :])[:, :, None]  # [bs, q_cap, 1]
     kpos = kv_ids[None, None, :]
     mask = kv_valid[:, None, :].expand(-1, q_cap, -1)
@@ -90,6 +96,8 @@ def extend_padded(
     """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype."""
     hq, dqk = q.shape[1], q.shape[2]
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    if not torch.compiler.is_compiling():  # a Python number: checked at trace time, free at replay
+        validate.check_positive_number("scale", scale)
     bs, q_cap = index.q_gather.shape
     kv_cap = index.slots.shape[1]
     flat = index.slots.reshape(-1)
@@ -107,5 +115,6 @@ def extend_padded(
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=index.mask, scale=scale,
                                            enable_gqa=True)[..., :dv]  # a no-op when Hq == Hkv; a bool, never a
         # symbolic one from dynamic shapes, which SDPA rejects
-    o = o.transpose(1, 2) * index.has_keys[..., None].to(o.dtype)  # [bs, q_cap, Hq, Dv]
+    # select, not multiply: a query with no key attended over the padding slot, whose content may be NaN
+    o = torch.where(index.has_keys[..., None] > 0, o.transpose(1, 2), 0.0)  # [bs, q_cap, Hq, Dv]
     return o.reshape(bs * q_cap, hq, dv).index_select(0, index.out_gather).to(q.dtype)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import validate
+
 PAD_SLOT = 0
 PAD_REQ_ROW = 0
 
@@ -23,8 +25,20 @@ def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor) -> None:
     """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write).
 
     Padded rows of a bucket write to ``PAD_SLOT``; that is harmless because the slot is never read as real data.
+    Outside compiled code and CUDA-graph capture, ``loc`` is checked to lie in ``[0, num_slots)`` (a host read; on
+    CUDA a sync): an index of -1 would otherwise overwrite the last slot. Inside a compiled or captured step the
+    caller checks it before the step (``DecodeGraphs.run`` does, for a ``RowInput(..., slots=True)``).
     """
+    if not _in_graph(loc):
+        validate.check_slot_values("loc (out_cache_loc)", loc, cache.shape[0])
     cache.index_copy_(0, loc.to(torch.int64), new.to(cache.dtype))
+
+
+def _in_graph(t: torch.Tensor) -> bool:
+    """Inside torch.compile tracing or a CUDA-graph capture, where a host read is impossible."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class SlotAllocator:

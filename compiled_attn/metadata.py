@@ -67,11 +67,13 @@ class DecodeMetadata:
 
     num_real:      real batch size (rows past it are padding)
     blocks_needed: blocks the real batch uses (<= num_blocks)
+    slots_checked: plan checked that every req_to_token entry the batch reads is a slot (``check_slots``)
     """
 
     inputs: DecodeInputs
     num_real: int
     blocks_needed: int
+    slots_checked: bool = False
 
     @property
     def block_size(self) -> int:

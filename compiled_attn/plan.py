@@ -73,14 +73,20 @@ def plan_decode(
     batch_capacity: int | None = None,
     block_capacity: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    check_slots: bool = True,
 ) -> DecodeMetadata:
     """Validate a decode batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
     KV blocks of ``block_size`` tokens (defaults: exactly what the batch needs).
+
+    check_slots: check that every req_to_token entry the batch reads is a slot of k_cache (``[0, num_slots)``);
+        a host read of the used table rows, a sync when the table is on CUDA. Turn it off only where the caller
+        guarantees the table (a serving loop that fills it from its own allocator).
 
     q: [bs, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len];
     req_pool_indices, seq_lens (and encoder_lens): [bs]
     """
     validate.check_qkv(q, k_cache, v_cache)
+    validate.check_positive_int("block_size", block_size)
     bs, device = q.shape[0], q.device
     rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
     lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
@@ -92,6 +98,8 @@ def plan_decode(
     lo, hi = decode_kv_range(lens, enc, sliding_window, is_cross_attn)
     validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
                           "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
+    if check_slots:
+        validate.check_slots(req_to_token, rows, lo, hi, k_cache.shape[0])
     needed = int(cdiv(hi - lo, block_size).sum()) if bs else 0
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
@@ -102,7 +110,7 @@ def plan_decode(
         block_ids=torch.arange(nblk, device=device),
         block_offsets=torch.arange(block_size, device=device),
     )
-    return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed)
+    return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots)
 
 
 def plan_extend(
@@ -122,11 +130,13 @@ def plan_extend(
     batch_capacity: int | None = None,
     q_capacity: int | None = None,
     kv_capacity: int | None = None,
+    check_slots: bool = True,
 ) -> ExtendMetadata:
     """Validate an extend (prefill) batch and build its padded metadata.
 
     q: [num_tokens, Hq, Dqk] packed in request order; request i's queries are positions
     ``[extend_prefix_lens[i], seq_lens[i])`` of its self-attention range.
+    check_slots: as in ``plan_decode``.
     """
     validate.check_qkv(q, k_cache, v_cache)
     device = q.device
@@ -159,6 +169,8 @@ def plan_extend(
         if sliding_window is not None:  # keys before the first query's window are never read
             skip = (prefix - sliding_window).clamp_min(0)
         lo, kv_len, q_first = enc + skip, lens - skip, prefix - skip
+    if check_slots:
+        validate.check_slots(req_to_token, rows, lo, lo + kv_len, k_cache.shape[0])
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     q_cap = _capacity("q_capacity", q_capacity, int(ext.max()) if bs else 0)
     kv_cap = _capacity("kv_capacity", kv_capacity, int(kv_len.max()) if bs else 0)

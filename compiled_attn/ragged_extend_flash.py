@@ -103,6 +103,7 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     returns [num_tokens, Hkv, group, Dv] float32 (zeros for a query that sees no key).
     """
     kernel_threads = torch.get_num_threads()
+    q = q.contiguous()  # the ATen kernel reads q through its strides unchecked: a strided head dim gave garbage
 
     def flash(*args, **kwargs):  # the kernel calls get the caller's threads; the small ops around them get one
         with run_on_threads(kernel_threads):

@@ -4,6 +4,9 @@ These run once per step, outside the compiled hot path, so they may read small `
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -20,6 +23,8 @@ def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | 
         raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} (the device of q)")
+    if t.device.type == "meta":  # no data to read or attend over; ATen fails deep inside otherwise
+        raise ValueError(f"{name} is on the meta device (shape only, no data); pass a tensor with storage")
 
 
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -31,6 +36,11 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
         raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     hq, dqk = q.shape[1], q.shape[2]
     slots, hkv, dk = k_cache.shape
+    if hq < 1 or dqk < 1 or v_cache.shape[2] < 1:
+        raise ValueError(f"q heads, q head dim and v_cache head dim must be >= 1, got {hq}, {dqk}, "
+                         f"{v_cache.shape[2]}")
+    if slots < 1:
+        raise ValueError(f"k_cache must have >= 1 slot (dim 0), got shape {tuple(k_cache.shape)}")
     if dk != dqk:
         raise ValueError(f"k_cache head dim {dk} must equal q head dim {dqk}")
     if v_cache.shape[0] != slots or v_cache.shape[1] != hkv:
@@ -73,7 +83,59 @@ def check_kv_end(kv_end: torch.Tensor, width: int, what: str) -> None:
 
 
 def check_window_and_cap(sliding_window, logit_cap) -> None:
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 0):
         raise ValueError(f"sliding_window must be a non-negative int or None, got {sliding_window!r}")
-    if logit_cap is not None and not logit_cap > 0:
-        raise ValueError(f"logit_cap must be > 0 or None, got {logit_cap!r}")
+    if logit_cap is not None:
+        check_positive_number("logit_cap", logit_cap)
+
+
+def check_positive_number(name: str, value) -> float:
+    """A finite real number > 0 (a bool is refused: ``True`` as a scale is a bug); returned as a float.
+
+    NaN or inf here gives an all-NaN output with no error further down, so it is refused up front."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite number > 0, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    return value
+
+
+def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                num_slots: int) -> None:
+    """Every entry a batch reads, positions ``[lo[i], hi[i])`` of row ``rows[i]``, must be a slot in
+    ``[0, num_slots)``. Out-of-range indices would otherwise wrap (a -1 reads the last slot) or fault the device.
+
+    rows, lo, hi: [bs] int64 on the host. Reads the used part of the table: a host sync when it lives on CUDA
+    (``plan_*(check_slots=False)`` skips it)."""
+    if rows.numel() == 0 or int(hi.max()) <= 0:
+        return
+    width = int(hi.max())
+    used = req_to_token[rows.to(req_to_token.device), :width].cpu()  # [bs, width]
+    bad = (used < 0) | (used >= num_slots)
+    if not bool(bad.any()):  # the common case: no bad entry at all, read or not, so no range mask to build
+        return
+    pos = torch.arange(width)
+    bad &= (pos >= lo[:, None]) & (pos < hi[:, None])  # stale entries outside the read ranges are allowed
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} is not a KV slot: slots a batch "
+                         f"reads must lie in [0, {num_slots}) (num_slots of k_cache); {int(bad.sum())} such "
+                         f"entries")
+
+
+def check_slot_values(name: str, loc: torch.Tensor, num_slots: int) -> None:
+    """``loc`` (any shape) holds slots in ``[0, num_slots)``; a host read (a sync on CUDA)."""
+    if loc.numel() == 0:
+        return
+    lo, hi = int(loc.min()), int(loc.max())
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"{name} must hold KV slots in [0, {num_slots}), got range [{lo}, {hi}]")

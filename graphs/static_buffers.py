@@ -27,7 +27,7 @@ class BufferSpec:
     """One static buffer.
 
     shape:     full buffer shape, with the batch dim given as the bucket size (e.g. ``(bucket, H, D)``).
-    dtype:     buffer dtype; real inputs are cast to it on copy (only safe casts: ``torch.can_cast``).
+    dtype:     buffer dtype; real inputs are cast to it on copy (only exact casts: the same dtype or a wider integer).
     fill:      the value padded rows ``[n:bucket)`` get (e.g. a dummy slot index, ``seq_lens`` of 1).
     batch_dim: which dim is the batch; None for an unbatched buffer (copied whole, never padded).
     """
@@ -58,6 +58,16 @@ def _bucket_of(specs: Mapping[str, BufferSpec]) -> int:
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batched buffers disagree on the bucket (batch dim size): {sizes}")
     return next(iter(sizes.values()))
+
+
+def _exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Same dtype, or an integer into a wider integer. A narrowing cast (int64 slots into int32) would wrap large
+    values, and another float dtype means the step was warmed for another precision: both are refused rather than
+    cast silently."""
+    if src == dst:
+        return True
+    integral = not (src.is_floating_point or src.is_complex or dst.is_floating_point or dst.is_complex)
+    return integral and src != torch.bool and torch.promote_types(src, dst) == dst
 
 
 class StaticBuffers:
@@ -142,9 +152,9 @@ class StaticBuffers:
                 f"copy_in: input {name!r} has shape {tuple(src.shape)}, expected {tuple(shown)} "
                 f"(here {expected}) to fit buffer {spec.shape}"
             )
-        if not torch.can_cast(src.dtype, spec.dtype):
-            raise TypeError(f"copy_in: input {name!r} has dtype {src.dtype}, which does not cast safely to "
-                            f"{spec.dtype}")
+        if not _exact_cast(src.dtype, spec.dtype):
+            raise TypeError(f"copy_in: input {name!r} has dtype {src.dtype}, which does not cast exactly to "
+                            f"{spec.dtype} (only the same dtype or a wider integer is copied in)")
 
     def _write(self, name: str, src: torch.Tensor, n: int) -> None:
         spec, buf = self.specs[name], self.tensors[name]

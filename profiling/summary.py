@@ -119,20 +119,51 @@ def _load_json(path: str) -> dict | list:
             raise ValueError(f"{path}: not a valid Chrome trace JSON ({e})") from None
 
 
+def _trace_events(data, path: str) -> list[dict]:
+    """The event list of a Chrome trace: ``{"traceEvents": [...]}`` or a bare list, of JSON objects."""
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a Chrome trace: expected an object with a 'traceEvents' list or a list of "
+                         f"events, got {type(events).__name__}")
+    bad = next((i for i, ev in enumerate(events) if not isinstance(ev, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: not a Chrome trace: event {bad} is a {type(events[bad]).__name__}, expected an "
+                         f"object")
+    return events
+
+
+def _event_number(ev: dict, field: str, i: int, path: str) -> float:
+    try:
+        value = float(ev[field])
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: event {i} ({ev.get('name', '?')!r}) has a non-numeric {field!r}: "
+                         f"{ev[field]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{path}: event {i} ({ev.get('name', '?')!r}) has a non-finite {field!r}: {ev[field]!r}")
+    return value
+
+
+def _regex(text: str) -> re.Pattern:
+    """``--match``: a valid regular expression (argparse ``type`` and library check alike)."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise ValueError(f"--match {text!r} is not a valid regular expression: {e}") from None
+
+
 def summarize_torch_trace(path: str, *, group_by: str = "full",
                           step_prefixes: Sequence[str] = DEFAULT_STEP_PREFIXES,
                           categories: Sequence[str] = ("user_annotation",),
                           match: str | None = None) -> Summary:
     """Summarize the ``user_annotation`` events of a torch.profiler Chrome trace (see module docstring)."""
-    data = _load_json(path)
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    events = _trace_events(_load_json(path), path)
     durations: dict[str, list[float]] = {}
     start, end = float("inf"), float("-inf")
-    pattern = re.compile(match) if match else None
-    for ev in events:
+    pattern = _regex(match) if match else None
+    for i, ev in enumerate(events):
         if ev.get("ph") != "X" or "dur" not in ev or "ts" not in ev:
             continue
-        ts, dur = float(ev["ts"]), float(ev["dur"])
+        ts, dur = _event_number(ev, "ts", i, path), _event_number(ev, "dur", i, path)
         start, end = min(start, ts), max(end, ts + dur)
         name = ev.get("name", "")
         if ev.get("cat") not in categories or name.startswith("ProfilerStep#"):
@@ -217,7 +248,7 @@ def summarize_nsys_csv(path: str, *, group_by: str = "full",
     count_i, _ = _column(header, "instances", path)
     range_i, _ = _column(header, "range", path)
     med = _column(header, "median", path, required=False)
-    pattern = re.compile(match) if match else None
+    pattern = _regex(match) if match else None
     merged: dict[str, list] = {}
     for row in rows[h + 1:]:
         if len(row) <= max(total_i, count_i, range_i):
@@ -271,15 +302,31 @@ def summarize(path: str, **kwargs) -> Summary:
     raise ValueError(f"{path}: unknown trace type; expected a torch.profiler .json(.gz) or an nsys stats .csv")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag gives one line ``profile-summary: error: ...`` (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _match_arg(text: str) -> str:
+    try:
+        _regex(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad input)."""
-    parser = argparse.ArgumentParser(prog="profile-summary", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(prog="profile-summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", metavar="TRACE", help="torch.profiler Chrome trace (.json) or nsys nvtx_sum CSV")
     parser.add_argument("--group-by", choices=("name", "full"), default="full",
                         help="'full': one row per message incl. attributes (default); 'name': attributes stripped")
     parser.add_argument("--step-prefix", action="append", default=None,
                         help=f"name prefix of step ranges (repeatable; default {', '.join(DEFAULT_STEP_PREFIXES)})")
-    parser.add_argument("--match", default=None, help="only ranges whose (grouped) name matches this regex")
+    parser.add_argument("--match", default=None, type=_match_arg,
+                        help="only ranges whose (grouped) name matches this regex")
     args = parser.parse_args(argv)
     steps = tuple(args.step_prefix) if args.step_prefix else DEFAULT_STEP_PREFIXES
     try:

@@ -5,6 +5,7 @@
     compiled-attn bench-step ...       N-layer decode step: warm-up, first/median step, warm restart (bench_step.py)
     compiled-attn bench-sglang ...     our SGLang backend vs SGLang's torch_native on the same ForwardBatches
     compiled-attn profile ...          an nsys session around ``bench`` (profiling/nsys_session.sh)
+    compiled-attn soak ...             random arrivals/finishes through DecodeGraphs, checked against float64
     compiled-attn profile-summary F    time per range from a torch.profiler trace or an nsys CSV
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ COMMANDS = {
     "bench-ops": "compiled_attn.bench.ops",
     "bench-step": "compiled_attn.bench.step",
     "bench-sglang": "compiled_attn.bench.sglang_layer",
+    "soak": "compiled_attn.bench.soak",
     "profile-summary": "profiling.summary",
 }
 

@@ -33,7 +33,15 @@ from ..decode_graphs import GraphConfig
 from .backends import BACKENDS, make_backend
 from .engine import Engine
 from .models import PRESETS, build_model, get_config
-from .report import agreement, format_batch_report, format_side_by_side, write_plot
+from .report import (
+    OneLineParser,
+    agreement,
+    check_device,
+    check_writable,
+    format_batch_report,
+    format_side_by_side,
+    write_plot,
+)
 
 PROG = "compiled-attn bench"
 
@@ -42,15 +50,8 @@ def _fail(msg: str) -> SystemExit:
     return SystemExit(f"{PROG}: {msg}")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag gives one line on stderr (no usage block) and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3-8b", choices=list(PRESETS))
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2, CPU-sized)")
@@ -108,6 +109,9 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--plot needs matplotlib (pip install 'compiled-attn[plot]')")
     if len(set(args.backend)) != len(args.backend):
         p.error(f"--backend lists a backend twice: {args.backend}")
+    check_device(p, args.device)
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--trace", args.trace)):
+        check_writable(p, flag, path)  # now, not after the whole run
     args.batch_size = list(dict.fromkeys(args.batch_size))
 
 

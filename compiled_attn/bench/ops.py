@@ -7,8 +7,6 @@ allocator tuned as in ``compiled-attn bench`` (``--no-malloc-tuning`` turns that
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from profiling.host import add_malloc_flag, tune_malloc
@@ -21,6 +19,7 @@ from ..plan import plan_decode
 from .batches import make_batch
 from .loop_baseline import loop_decode
 from .models import get_attention_shape
+from .report import OneLineParser, int_at_least
 
 
 def _copy_gbps(nbytes: int = 256 << 20) -> float:
@@ -68,16 +67,14 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="compiled-attn bench-ops", description=__doc__)
+    p = OneLineParser(prog="compiled-attn bench-ops", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=["mha", "mla"])
-    p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=[1, 8, 32])
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"])
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int_at_least(1), default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_malloc_flag(p)
     args = p.parse_args(argv)
-    if any(b < 1 for b in args.batch_size):
-        p.error("--batch-size values must be >= 1")
     malloc = not args.no_malloc_tuning and tune_malloc()
     torch.manual_seed(0)
     rows = [bench_case(op, bs, lens, iters=args.iters, dtype=getattr(torch, args.dtype))

@@ -1,6 +1,11 @@
 """Text, agreement check and plot of ``compiled-attn bench`` results (``bench.py`` runs, this formats)."""
 from __future__ import annotations
 
+import argparse
+import os
+
+import torch
+
 from profiling.timers import format_table
 
 MAX_STEPS_SHOWN = 16
@@ -127,3 +132,56 @@ def write_plot(results: dict, batch_sizes: list[int], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- command-line checks shared by the bench commands: every flag is checked before any work starts ----
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag gives one line ``prog: error: ...`` on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type``: an int >= ``minimum`` (so ``--iters 0`` fails at parse time, not after compiling)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def check_writable(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """Fail now, not after the run, when ``path`` cannot be written (missing folder, no permission, a folder)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path!r} is a directory, expected a file path")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        parser.error(f"{flag} {path!r} is not writable")
+
+
+def check_device(parser: argparse.ArgumentParser, name: str | None) -> torch.device | None:
+    """``--device``: cpu or cuda (with an index), and cuda only where this torch has a CUDA device."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device must be cpu or cuda (or cuda:N), got {name!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: no CUDA device is available (this torch: {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -7,7 +7,6 @@ directory (and a saved artifacts file) and compares cold vs warm start-up.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -27,6 +26,7 @@ from ..plan import plan_decode
 from .attention_stack import make_caches, make_stack_step
 from .batches import assign_requests
 from .models import ATTN_PRESETS, AttnShape, get_attention_shape
+from .report import OneLineParser, check_device, check_writable, int_at_least
 
 
 def _batch(shape: AttnShape, persistent: dict, bs: int, length: int, seed: int):
@@ -66,7 +66,7 @@ def run(args) -> dict:
                          cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
     graphs = DecodeGraphs(step, config=config, device=dev,
                           row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),
-                                      "out_cache_loc": RowInput((), torch.int64)})
+                                      "out_cache_loc": RowInput((), torch.int64, slots=True)})
     start = time.perf_counter()
     timings = graphs.warmup(persistent)
     warmup_s = time.perf_counter() - start
@@ -123,15 +123,24 @@ def _restart(argv: list[str]) -> int:
     return 0
 
 
+def _validate(p, args) -> None:
+    """Every flag checked before the warm-up starts (which compiles for a minute or more)."""
+    check_device(p, args.device)
+    check_writable(p, "--json", args.json)
+    check_writable(p, "--artifacts", args.artifacts)
+    if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        p.error(f"--cache-dir {args.cache_dir!r} exists and is not a directory")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="compiled-attn bench-step", description=__doc__)
+    p = OneLineParser(prog="compiled-attn bench-step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="mha", choices=list(ATTN_PRESETS))
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch-size", nargs="+", type=int, default=[1, 8, 32])
-    p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None)
-    p.add_argument("--length", type=int, default=1024, help="context length of every request")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--layers", type=int_at_least(1), default=4)
+    p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=[1, 8, 32])
+    p.add_argument("--cuda-graph-bs", nargs="+", type=int_at_least(1), default=None)
+    p.add_argument("--length", type=int_at_least(1), default=1024, help="context length of every request")
+    p.add_argument("--iters", type=int_at_least(1), default=10)
     p.add_argument("--no-warmup-check", action="store_true", help="also time a compiled step never warmed up")
     p.add_argument("--restart", action="store_true", help="measure cold vs warm start-up in two processes")
     p.add_argument("--cache-dir", default=None)
@@ -141,8 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     add_malloc_flag(p)
     args = p.parse_args(argv)
-    if min(args.batch_size) < 1 or args.layers < 1 or args.length < 1:
-        p.error("--batch-size, --layers and --length must be >= 1")
+    _validate(p, args)
     if args.restart:
         return _restart([a for a in argv if a != "--restart"])
     if args.device == "cpu" and not args.no_malloc_tuning:
