@@ -13,7 +13,8 @@ import importlib
 _EXPORTS = {
     "api": ["decode_attention", "extend_attention", "v_is_prefix_of_k"],
     "decode": ["DecodeIndex", "build_decode_index", "decode_blocks"],
-    "extend": ["ExtendIndex", "build_extend_index", "extend_padded"],
+    "extend": ["ExtendTileIndex", "ExtendTileInputs", "build_extend_tile_index", "extend_tiled", "extend_tiles",
+               "plan_extend_tiles"],
     "kv_pool": ["PAD_REQ_ROW", "PAD_SLOT", "MHAKVPool", "MLAKVPool", "ReqToTokenTable", "SlotAllocator", "write_kv"],
     "metadata": ["DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata"],
     "plan": ["DEFAULT_BLOCK_SIZE", "normalize_window", "plan_decode", "plan_extend"],

@@ -1,7 +1,7 @@
 """The public one-call functions: ``plan`` (host checks, metadata) followed by ``run`` (pure tensor code).
 
 For repeated layers of one batch, call ``plan_*`` once, ``build_*_index`` once, then ``decode_blocks`` /
-``extend_padded`` per layer, as the SGLang backend and the captured decode step do.
+``extend_tiles`` per layer (after ``plan_extend_tiles``), as the SGLang backend and the captured decode step do.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from . import validate
 from .decode import build_decode_index, decode_blocks
-from .extend import build_extend_index, extend_padded
+from .extend import extend_tiled
 from .plan import plan_decode, plan_extend
 
 
@@ -57,8 +57,4 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     meta = plan_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn)
-    scale = _scale(scale, q.shape[2])
-    if meta.num_tokens == 0:  # nothing to gather from an empty q
-        return q.new_zeros(0, q.shape[1], v_cache.shape[2])
-    index = build_extend_index(req_to_token, meta.inputs, causal=meta.causal, sliding_window=meta.sliding_window)
-    return extend_padded(q, k_cache, v_cache, index, scale, logit_cap)
+    return extend_tiled(q, k_cache, v_cache, req_to_token, meta, _scale(scale, q.shape[2]), logit_cap)

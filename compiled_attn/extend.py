@@ -1,120 +1,290 @@
-"""Extend (prefill) attention: requests padded to ``[q_cap, kv_cap]``, one batched call with a boolean mask.
+"""Ragged tiled extend (prefill): work follows sum(q_len x visible keys), not bs x max(q_len) x max(kv_len).
 
-One batched SDPA call replaces the per-request loop's calls. SDPA's fused CPU kernel needs
-``Dqk == Dv``, so a smaller V (MLA 192/128, 576/512) is zero-padded to ``Dqk`` and the output sliced back: the
-extra columns cost less than falling to the math path, which repeats K/V per head group. Soft-capped logits
-(``logit_cap``) have no SDPA form and use an explicit float32 softmax, chunked over queries to bound memory.
+Each request's new tokens are cut into query tiles of ``TQ`` rows and its key range into key tiles of ``TK``
+keys; only the (query tile, key tile) pairs that the causal mask, the sliding window or the cross-attention range
+leave non-empty are kept (``plan_extend_tiles``, host side, once per batch), and pairs whose every (query, key) is
+visible are marked ``full`` (no mask needed). The pair list is padded to a bucket (``pair_capacity``): padded
+pairs have no query and no key, so they do no work and contribute nothing.
+
+Per step, ``build_extend_tile_index`` looks up each pair's key slots and builds its mask (pure tensor code:
+compiles with ``fullgraph=True``). Per layer, ``extend_tiles`` attends each pair and merges a query row's partial
+softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a tile's queries are laid out as
+``[Hkv, group * TQ, D]`` against one K tile. Two forms:
+
+- CPU, no soft-cap, ``Dv <= Dqk`` (a narrower V is zero-padded): ``extend_flash.ragged_tile_flash``, an
+  opaque custom op running ATen's CPU flash kernel over each query tile's consecutive key tiles;
+- elsewhere (CUDA, soft-cap; ``cpu_flash=False`` anywhere): batched matmuls over static chunks of pairs, float32
+  softmax, partials merged by ``decode.merge_blocks`` with rows = packed query tokens. Invalid key rows are zeroed
+  after the gather (``torch.where``), so NaN/Inf in the padding slot never reaches an output (0 * NaN is NaN).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from . import validate
-from .metadata import ExtendInputs
+from .decode import merge_blocks
+from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
+from .metadata import ExtendMetadata
+
+#: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
+MATMUL_CHUNK_BYTES = 32 << 20
+
+
+class ExtendTileInputs(NamedTuple):
+    """The per-step tensors of a tiled extend batch, padded to ``pair_capacity`` pairs; all [P] int64 unless said.
+
+    pair_row:    request row in req_to_token
+    kv_start:    position (in the req_to_token row) of the pair's first key
+    k_count:     keys in the key tile (< TK only for a range's last tile; 0 for padded pairs)
+    q_start:     index of the pair's first query in the packed q (``num_tokens`` for padded pairs)
+    q_count:     queries in the query tile (0 for padded pairs)
+    q_rel:       position of the first query minus position of the first key (causal: key c visible to query a
+                 iff ``c <= q_rel + a``; window: iff ``c >= q_rel + a - W``)
+    full:        [P] bool, every (query, key) of the pair is visible: no mask needed
+    q_ids:       [TQ] arange, k_ids: [TK] arange (tile sizes as shape carriers)
+    """
+
+    pair_row: torch.Tensor
+    kv_start: torch.Tensor
+    k_count: torch.Tensor
+    q_start: torch.Tensor
+    q_count: torch.Tensor
+    q_rel: torch.Tensor
+    full: torch.Tensor
+    q_ids: torch.Tensor
+    k_ids: torch.Tensor
 
 
 @dataclass
-class ExtendIndex:
-    """Per-step gather/scatter tables shared by every layer (built by ``build_extend_index``).
+class ExtendTilePlan:
+    """A planned tiled extend batch: its step inputs and what the host knows about it.
 
-    q_gather: [bs, q_cap] int64, packed query row of each padded query (0 where padding)
-    slots:    [bs, kv_cap] int64, KV slot of each padded key (slot 0 where padding)
-    mask:     [bs, 1, q_cap, kv_cap] bool, key visible to query; every row has at least one True
-    has_keys: [bs, q_cap, 1] float32, 0 for queries that see no real key (their output must be zeros)
-    out_gather: [num_tokens] int64, padded position ``b * q_cap + i`` of each packed query
+    causal, sliding_window: static per-layer settings
+    num_tokens, pairs_needed: packed query count, real pairs (<= P)
+    useful_qk, computed_qk: visible (query, key) pairs; (query, key) pairs inside the kept tiles
     """
 
-    q_gather: torch.Tensor
+    inputs: ExtendTileInputs
+    causal: bool
+    sliding_window: int | None
+    num_tokens: int
+    pairs_needed: int
+    useful_qk: int
+    computed_qk: int
+
+
+def _visible_range(p: torch.Tensor, kv_len: torch.Tensor, causal: bool, window: int | None):
+    """Keys ``[lo, hi]`` visible to a query at relative position ``p`` (hi < lo when none). All [n] int64."""
+    hi = torch.minimum(p, kv_len - 1) if causal else kv_len - 1
+    lo = (p - window).clamp_min(0) if window is not None else torch.zeros_like(p)
+    return lo, hi
+
+
+def plan_extend_tiles(meta: ExtendMetadata, *, tile_q: int = 64, tile_k: int = 64,
+                      pair_capacity: int | None = None) -> ExtendTilePlan:
+    """Host-side pair list of an extend batch planned by ``plan.plan_extend`` (key ``j`` of request ``b`` at
+    position ``kv_lo[b] + j``, its query ``i`` at ``q_first[b] + i``).
+
+    Padded requests (``q_len == 0``) have no tiles. ``pair_capacity``: the bucket (default: exactly the pairs
+    needed, at least 1); raises ``ValueError`` when the batch needs more.
+    """
+    i = meta.inputs
+    with run_on_threads(1):  # tiny tensors: as parallel regions they stalled on a descheduled thread
+        return _plan_extend_tiles(i.req_rows, i.kv_lo, i.kv_len, i.q_first, i.q_len, i.q_offsets, meta.num_tokens,
+                                  meta.causal, meta.sliding_window, tile_q, tile_k, pair_capacity)
+
+
+def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_tokens, causal, sliding_window,
+                       tile_q, tile_k, pair_capacity) -> ExtendTilePlan:
+    dev = req_rows.device
+    req_rows, kv_lo, kv_len, q_first, q_len, q_offsets = (
+        t.detach().to("cpu", torch.int64) for t in (req_rows, kv_lo, kv_len, q_first, q_len, q_offsets))
+    window = None if sliding_window is None or sliding_window == -1 else int(sliding_window)
+    # query tiles, flat over the batch
+    nq = (q_len + tile_q - 1) // tile_q
+    tile_req = torch.repeat_interleave(torch.arange(q_len.shape[0]), nq)
+    tile_idx = torch.arange(tile_req.shape[0]) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
+    i0 = tile_idx * tile_q
+    qc = torch.minimum(q_len[tile_req] - i0, torch.tensor(tile_q))
+    pmin = q_first[tile_req] + i0
+    pmax = pmin + qc - 1
+    length = kv_len[tile_req]
+    # the keys any query of the tile sees form one range: [lo of the first query, hi of the last]
+    lo, _ = _visible_range(pmin, length, causal, window)
+    _, hi = _visible_range(pmax, length, causal, window)
+    has = hi >= lo
+    u_lo, u_hi = lo // tile_k, hi // tile_k
+    npairs = torch.where(has, u_hi - u_lo + 1, 0)
+    pair_tile = torch.repeat_interleave(torch.arange(tile_req.shape[0]), npairs)
+    u = u_lo[pair_tile] + torch.arange(pair_tile.shape[0]) - torch.repeat_interleave(torch.cumsum(npairs, 0) - npairs,
+                                                                                     npairs)
+    req = tile_req[pair_tile]
+    k0 = u * tile_k
+    kc = torch.minimum(kv_len[req] - k0, torch.tensor(tile_k))
+    p_lo, p_hi = pmin[pair_tile], pmax[pair_tile]
+    full = torch.ones_like(k0, dtype=torch.bool)
+    if causal:  # the tile's last key is visible to its first query
+        full &= k0 + kc - 1 <= p_lo
+    if window is not None:  # the tile's first key is inside its last query's window
+        full &= k0 >= p_hi - window
+    needed = int(pair_tile.shape[0])
+    cap = max(needed, 1) if pair_capacity is None else pair_capacity
+    if cap < needed:
+        raise ValueError(f"pair_capacity={cap} is smaller than this batch needs ({needed})")
+    # useful work: every real query's visible keys
+    q_req = torch.repeat_interleave(torch.arange(q_len.shape[0]), q_len)
+    p = q_first[q_req] + torch.arange(q_req.shape[0]) - torch.repeat_interleave(torch.cumsum(q_len, 0) - q_len, q_len)
+    vlo, vhi = _visible_range(p, kv_len[q_req], causal, window)
+
+    def pad(t, fill=0):
+        out = torch.full((cap,), fill, dtype=t.dtype)
+        out[:needed] = t
+        return out.to(dev)
+
+    inputs = ExtendTileInputs(
+        pair_row=pad(req_rows[req]), kv_start=pad(kv_lo[req] + k0), k_count=pad(kc),
+        q_start=pad(q_offsets[req] + i0[pair_tile], fill=num_tokens), q_count=pad(qc[pair_tile]),
+        q_rel=pad(p_lo - k0), full=pad(full, fill=False),
+        q_ids=torch.arange(tile_q, device=dev), k_ids=torch.arange(tile_k, device=dev))
+    return ExtendTilePlan(
+        inputs, causal=causal, sliding_window=window, num_tokens=num_tokens, pairs_needed=needed,
+        useful_qk=int((vhi - vlo + 1).clamp_min(0).sum()), computed_qk=int((qc[pair_tile] * kc).sum()))
+
+
+@dataclass
+class ExtendTileIndex:
+    """Per-step pair tables shared by every layer (``build_extend_tile_index``); P pairs, TQ x TK tiles.
+
+    slots:   [P, TK] int64, KV slot of each key (slot 0 where invalid); k_valid: [P, TK] bool
+    q_rows:  [P, TQ] int64, packed query row of each tile row (-1 where invalid)
+    mask:    [P, TQ, TK] bool, query row sees key (False for invalid rows and keys); None when built without
+             (the CPU form masks its few diagonal spans itself, from ``q_rel``)
+    q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (from the plan, for the CPU form)
+    causal, sliding_window: the static settings the index was built for
+    """
+
     slots: torch.Tensor
-    mask: torch.Tensor
-    has_keys: torch.Tensor
-    out_gather: torch.Tensor
+    k_valid: torch.Tensor
+    q_rows: torch.Tensor
+    mask: torch.Tensor | None
+    q_start: torch.Tensor
+    q_count: torch.Tensor
+    k_count: torch.Tensor
+    full: torch.Tensor
+    q_rel: torch.Tensor
+    causal: bool
+    sliding_window: int | None
 
 
-def build_extend_index(req_to_token: torch.Tensor, inputs: ExtendInputs, *, causal: bool,
-                       sliding_window: int | None) -> ExtendIndex:
-    """Pure tensor code. req_to_token: [max_reqs, max_context_len] int32; inputs: ``plan_extend(...).inputs``."""
-    req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, q_ids, kv_ids, token_ids = inputs
-    q_cap = q_ids.shape[0]
-    q_valid = q_ids[None, :] < q_len[:, None]  # [bs, q_cap]
-    q_gather = torch.where(q_valid, q_offsets[:, None] + q_ids[None, :], 0)
-    kv_valid = kv_ids[None, :] < kv_len[:, None]  # [bs, kv_cap]
-    has_kv = kv_len > 0
-    # a padding key gathers the request's first key, a slot it owns, never slot 0 or another unowned slot: a NaN
-    # there (SGLang's padding writes, a fresh pool) survives the mask (-inf + NaN, 0 * NaN). A request with no key
-    # at all reads the padding slot; its rows are zeroed by selection in extend_padded
-    first = torch.where(has_kv, kv_lo, 0)[:, None]
-    pos = torch.where(kv_valid, kv_lo[:, None] + kv_ids[None, :], first)
-    slots = torch.where(has_kv[:, None], req_to_token[req_rows[:, None], pos].to(torch.int64), 0)
-    qpos = (q_first[:, None] + q_ids[None, :])[:, :, None]  # [bs, q_cap, 1]
-    kpos = kv_ids[None, None, :]
-    mask = kv_valid[:, None, :].expand(-1, q_cap, -1)
-    if causal:
-        mask = mask & (kpos <= qpos)
-    if sliding_window is not None:
-        mask = mask & (kpos >= qpos - sliding_window)
-    has_keys = mask.any(-1, keepdim=True)
-    # rows with no visible key see key 0 so the softmax stays finite; has_keys zeroes them afterwards
-    mask = mask | (~has_keys & (kpos == 0))
-    # packed token t belongs to the last request whose offset is <= t
-    req_of_token = torch.searchsorted(q_offsets, token_ids, right=True) - 1
-    out_gather = req_of_token * q_cap + (token_ids - q_offsets[req_of_token])
-    return ExtendIndex(q_gather, slots, mask[:, None], (has_keys & q_valid[:, :, None]).float(), out_gather)
-
-
-def _softmax_attend(q, k, v, mask, scale, logit_cap, q_chunk: int = 256):
-    """Explicit attention with soft-capped logits, float32 softmax, GQA without expanding K/V.
-
-    q: [bs, Hq, Lq, D]; k: [bs, Hkv, Lk, D]; v: [bs, Hkv, Lk, Dv]; mask: [bs, 1, Lq, Lk] -> [bs, Hq, Lq, Dv]
+def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs, *, causal: bool,
+                            sliding_window: int | None, with_mask: bool = True) -> ExtendTileIndex:
+    """Pure tensor code (no host sync). req_to_token: [max_reqs, max_context_len] int32; inputs:
+    ``plan_extend_tiles(...).inputs`` (pair tensors [P]; q_ids: [TQ], k_ids: [TK] aranges).
+    with_mask: build the [P, TQ, TK] mask the matmul form needs (the CPU flash form does without: in eager mode
+    it was most of the index's cost).
     """
-    bs, hq, lq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    kt = k.float().transpose(-1, -2)[:, :, None]  # [bs, Hkv, 1, D, Lk]
-    vf = v.float()[:, :, None]
-    outs = []
-    for start in range(0, lq, q_chunk):  # static chunks: bounds the [.., Lq, Lk] score memory
-        qc = q[:, :, start:start + q_chunk].float().reshape(bs, hkv, group, -1, d)
-        s = torch.matmul(qc * scale, kt)
-        s = logit_cap * torch.tanh(s / logit_cap)
-        s = s.masked_fill(~mask[:, :, None, start:start + q_chunk], float("-inf"))
-        outs.append(torch.matmul(torch.softmax(s, dim=-1), vf).reshape(bs, hq, -1, v.shape[-1]))
-    return torch.cat(outs, dim=2)
+    pair_row, kv_start, k_count, q_start, q_count, q_rel, full, q_ids, k_ids = inputs
+    k_valid = k_ids[None, :] < k_count[:, None]  # [P, TK]
+    pos = torch.where(k_valid, kv_start[:, None] + k_ids[None, :], 0)
+    slots = torch.where(k_valid, req_to_token[pair_row[:, None], pos].to(torch.int64), 0)
+    q_valid = q_ids[None, :] < q_count[:, None]  # [P, TQ]
+    q_rows = torch.where(q_valid, q_start[:, None] + q_ids[None, :], -1)
+    mask = None
+    if with_mask:
+        qpos = (q_rel[:, None] + q_ids[None, :])[:, :, None]  # [P, TQ, 1], key tile coordinates
+        mask = q_valid[:, :, None] & k_valid[:, None, :]  # compared against qpos, never a [P, TQ, TK] int64
+        if causal:
+            mask = mask & (k_ids <= qpos)
+        if sliding_window is not None:
+            mask = mask & (k_ids >= qpos - sliding_window)
+    return ExtendTileIndex(slots, k_valid, q_rows, mask, q_start, q_count, k_count, full, q_rel, causal,
+                           sliding_window)
 
 
-def extend_padded(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    index: ExtendIndex,
-    scale: float,
-    logit_cap: float | None = None,
-) -> torch.Tensor:
-    """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype."""
-    hq, dqk = q.shape[1], q.shape[2]
+def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: ExtendTileIndex,
+                 scale: float, logit_cap: float | None = None, *, cpu_flash: bool | None = None,
+                 span_keys: int | None = None) -> torch.Tensor:
+    """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype.
+
+    cpu_flash: the CPU flash form; None picks it wherever it applies (CPU, Dv <= Dqk, no soft-cap); the choice
+    follows shapes, dtypes and the device, never values. span_keys: keys per CPU kernel call (default about
+    ``extend_flash.SPAN_BYTES`` of K).
+    """
+    t, hq, _ = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    if not torch.compiler.is_compiling():  # a Python number: checked at trace time, free at replay
-        validate.check_positive_number("scale", scale)
-    bs, q_cap = index.q_gather.shape
-    kv_cap = index.slots.shape[1]
-    flat = index.slots.reshape(-1)
-    qp = q.index_select(0, index.q_gather.reshape(-1)).view(bs, q_cap, hq, dqk).transpose(1, 2)
-    k = k_cache.index_select(0, flat).view(bs, kv_cap, hkv, dqk).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(bs, kv_cap, hkv, dv).transpose(1, 2)
-    if logit_cap is not None:
-        o = _softmax_attend(qp, k, v, index.mask, scale, logit_cap)
-    else:
-        width = max(dqk, dv)
-        if dqk < width:  # zero columns leave q.k unchanged
-            qp, k = F.pad(qp, (0, width - dqk)), F.pad(k, (0, width - dqk))
-        if dv < width:
-            v = F.pad(v, (0, width - dv))
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=index.mask, scale=scale,
-                                           enable_gqa=True)[..., :dv]  # a no-op when Hq == Hkv; a bool, never a
-        # symbolic one from dynamic shapes, which SDPA rejects
-    # select, not multiply: a query with no key attended over the padding slot, whose content may be NaN
-    o = torch.where(index.has_keys[..., None] > 0, o.transpose(1, 2), 0.0)  # [bs, q_cap, Hq, Dv]
-    return o.reshape(bs * q_cap, hq, dv).index_select(0, index.out_gather).to(q.dtype)
+    if t == 0:  # nothing to gather from an empty q
+        return q.new_zeros(0, hq, dv)
+    fits = supports_tile_flash(q, k_cache, v_cache, logit_cap)
+    if cpu_flash is None:
+        cpu_flash = fits
+    if cpu_flash:
+        if not fits:
+            raise ValueError("cpu_flash=True needs a CPU q, Dv <= Dqk and logit_cap=None")
+        span_keys = span_keys_for(hkv, q.shape[2]) if span_keys is None else span_keys
+        out = ragged_tile_flash(q, k_cache, v_cache, index.slots, index.q_start, index.q_count, index.k_count,
+                                index.full, index.q_rel, scale, span_keys, index.causal,
+                                -1 if index.sliding_window is None else index.sliding_window)
+        return out.view(t, hq, dv).to(q.dtype)
+    if index.mask is None:
+        raise ValueError("the matmul form needs an index built with with_mask=True")
+    return _extend_matmul(q, k_cache, v_cache, index, scale, logit_cap)
+
+
+def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, logit_cap: float | None):
+    """The matmul form: static chunks of pairs, float32 softmax per pair, merge by log-sum-exp over tokens."""
+    t, hq, dqk = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    group = hq // hkv
+    p_cap, tk = index.slots.shape
+    tq = index.q_rows.shape[1]
+    chunk = max(1, MATMUL_CHUNK_BYTES // (hq * tq * tk * 8))
+    lowest = torch.finfo(torch.float32).min
+    ms, ls, os_ = [], [], []
+    for s0 in range(0, p_cap, chunk):  # static bounds: the pair capacity is a shape
+        rows = index.q_rows[s0:s0 + chunk]
+        c = rows.shape[0]
+        qg = q.index_select(0, rows.clamp_min(0).reshape(-1)).view(c, tq, hkv, group, dqk)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(c, hkv, group * tq, dqk).float() * scale
+        kv_ok = index.k_valid[s0:s0 + chunk].reshape(-1, 1, 1)
+        flat = index.slots[s0:s0 + chunk].reshape(-1)
+        # select, never multiply: a zeroed row stays finite whatever the padding slot holds
+        k = torch.where(kv_ok, k_cache.index_select(0, flat).float(), 0.0).view(c, tk, hkv, dqk)
+        v = torch.where(kv_ok, v_cache.index_select(0, flat).float(), 0.0).view(c, tk, hkv, dv)
+        s = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [c, Hkv, group * TQ, TK]
+        if logit_cap is not None:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        vis = index.mask[s0:s0 + chunk][:, None, None]  # [c, 1, 1, TQ, TK]
+        s = torch.where(vis, s.view(c, hkv, group, tq, tk), lowest)
+        m = s.amax(-1)  # [c, Hkv, group, TQ]; lowest for a row with no key here
+        p = torch.where(vis, torch.exp(s - m[..., None]), 0.0)
+        o = torch.matmul(p.view(c, hkv, group * tq, tk), v.transpose(1, 2))  # [c, Hkv, group * TQ, Dv]
+        ms.append(m.permute(0, 3, 1, 2))
+        ls.append(p.sum(-1).permute(0, 3, 1, 2))
+        os_.append(o.view(c, hkv, group, tq, dv).permute(0, 3, 1, 2, 4))
+    m = torch.cat(ms).reshape(p_cap * tq, hkv, group)
+    l_ = torch.cat(ls).reshape(p_cap * tq, hkv, group)
+    o = torch.cat(os_).reshape(p_cap * tq, hkv, group, dv)
+    target = torch.where(index.q_rows >= 0, index.q_rows, t).reshape(-1)  # invalid rows -> the discard row
+    return merge_blocks(m, l_, o, target, t).reshape(t, hq, dv).to(q.dtype)
+
+
+def default_tile_q(cpu_flash: bool) -> int:
+    """Query tile rows per form. CPU flash: 256 (group * 256 rows reach the kernel's large query block, and its
+    causal diagonal skips the masked half, so a big tile wastes nothing); matmul form: 64, where every (query,
+    key) of a kept tile is computed and a big tile would compute more of the masked triangle."""
+    return 256 if cpu_flash else 64
+
+
+def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale: float,
+                 logit_cap: float | None = None, *, tile_q: int | None = None, tile_k: int = 64,
+                 pair_capacity: int | None = None, cpu_flash: bool | None = None) -> torch.Tensor:
+    """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
+    single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
+    flash = supports_tile_flash(q, k_cache, v_cache, logit_cap) if cpu_flash is None else cpu_flash
+    tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(flash), tile_k=tile_k,
+                              pair_capacity=pair_capacity)
+    index = build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
+                                    sliding_window=tiles.sliding_window, with_mask=not flash)
+    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash)

@@ -1,10 +1,10 @@
 """Per-batch metadata built by ``plan``: small tensors padded to a batch bucket, plus shape carriers.
 
-Each stage has one named type for the tensors its per-step index builder reads (``DecodeInputs``,
-``ExtendInputs``): ``plan_*`` returns them inside the metadata, ``build_*_index`` takes them, and a captured
-step's static buffers hold exactly their fields. Capacities are carried as the *lengths* of ``arange`` tensors
-(``block_ids``, ``q_ids``, ``kv_ids``), never as Python ints, so a compiled step sees one tensor signature per
-bucket and new values never recompile it.
+Each stage has one named type for the tensors its per-step index builder reads (``DecodeInputs``; the tiled
+extend's ``ExtendTileInputs``, planned from ``ExtendInputs``): ``plan_*`` returns them inside the metadata,
+``build_*_index`` takes them, and a captured step's static buffers hold exactly their fields. Capacities are
+carried as the *lengths* of ``arange`` tensors (``block_ids``, ``q_ids``, ``k_ids``), never as Python ints, so a
+compiled step sees one tensor signature per bucket and new values never recompile it.
 """
 from __future__ import annotations
 
@@ -46,8 +46,6 @@ class ExtendInputs(NamedTuple):
     q_first:       [bs_cap] int64, first query's position relative to kv_lo
     q_len:         [bs_cap] int64, new tokens (queries) of the request
     q_offsets:     [bs_cap] int64, where the request's queries start in the packed q
-    q_ids:         [q_cap] int64 arange; kv_ids: [kv_cap] int64 arange
-    token_ids:     [num_tokens] int64 arange over the packed queries
     """
 
     req_rows: torch.Tensor
@@ -56,9 +54,6 @@ class ExtendInputs(NamedTuple):
     q_first: torch.Tensor
     q_len: torch.Tensor
     q_offsets: torch.Tensor
-    q_ids: torch.Tensor
-    kv_ids: torch.Tensor
-    token_ids: torch.Tensor
 
 
 @dataclass

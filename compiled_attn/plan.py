@@ -128,11 +128,10 @@ def plan_extend(
     encoder_lens: torch.Tensor | None = None,
     is_cross_attn: bool = False,
     batch_capacity: int | None = None,
-    q_capacity: int | None = None,
-    kv_capacity: int | None = None,
     check_slots: bool = True,
 ) -> ExtendMetadata:
-    """Validate an extend (prefill) batch and build its padded metadata.
+    """Validate an extend (prefill) batch and build its metadata (per-request ranges, padded to ``batch_capacity``
+    rows; ``extend.plan_extend_tiles`` cuts it into tiles).
 
     q: [num_tokens, Hq, Dqk] packed in request order; request i's queries are positions
     ``[extend_prefix_lens[i], seq_lens[i])`` of its self-attention range.
@@ -172,8 +171,6 @@ def plan_extend(
     if check_slots:
         validate.check_slots(req_to_token, rows, lo, lo + kv_len, k_cache.shape[0])
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
-    q_cap = _capacity("q_capacity", q_capacity, int(ext.max()) if bs else 0)
-    kv_cap = _capacity("kv_capacity", kv_capacity, int(kv_len.max()) if bs else 0)
     offsets = torch.cumsum(ext, 0) - ext
     inputs = ExtendInputs(
         req_rows=_pad(rows, bs_cap).to(device),
@@ -182,8 +179,5 @@ def plan_extend(
         q_first=_pad(q_first, bs_cap).to(device),
         q_len=_pad(ext, bs_cap).to(device),
         q_offsets=_pad(offsets, bs_cap, fill=num_tokens).to(device),
-        q_ids=torch.arange(q_cap, device=device),
-        kv_ids=torch.arange(kv_cap, device=device),
-        token_ids=torch.arange(num_tokens, device=device),
     )
     return ExtendMetadata(inputs, causal=causal, sliding_window=sliding_window, num_real=bs, num_tokens=num_tokens)

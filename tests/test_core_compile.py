@@ -3,7 +3,15 @@ import torch
 from reference import reference_attention
 from torch._dynamo.utils import counters
 
-from compiled_attn import build_decode_index, build_extend_index, decode_blocks, extend_padded, plan_decode, plan_extend
+from compiled_attn import (
+    build_decode_index,
+    build_extend_tile_index,
+    decode_blocks,
+    extend_tiles,
+    plan_decode,
+    plan_extend,
+    plan_extend_tiles,
+)
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 
@@ -14,8 +22,8 @@ def decode_step(q, k_cache, v_cache, table, inputs):
 
 
 def extend_step(q, k_cache, v_cache, table, inputs):
-    index = build_extend_index(table, inputs, causal=True, sliding_window=None)
-    return extend_padded(q, k_cache, v_cache, index, 0.25)
+    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=False)
+    return extend_tiles(q, k_cache, v_cache, index, 0.25, cpu_flash=True)
 
 
 def _graphs():
@@ -44,8 +52,8 @@ def test_decode_compiles_once_for_new_lengths():
 
 def _extend_meta(b, seq, prefix):
     meta = plan_extend(b.q[: int((seq - prefix).sum())], b.k_cache, b.v_cache, b.req_to_token, b.rows, seq,
-                       prefix, seq - prefix, batch_capacity=4, q_capacity=40, kv_capacity=64)
-    return meta.inputs
+                       prefix, seq - prefix, batch_capacity=4)
+    return plan_extend_tiles(meta, tile_q=16, tile_k=16, pair_capacity=32).inputs
 
 
 def test_extend_compiles_once_for_new_lengths():

@@ -10,7 +10,7 @@ from compiled_attn import decode_attention, extend_attention
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.decode import build_decode_index, decode_blocks
-from compiled_attn.extend import build_extend_index, extend_padded
+from compiled_attn.extend import build_extend_tile_index, extend_tiles, plan_extend_tiles
 from compiled_attn.kv_pool import write_kv
 from compiled_attn.plan import plan_decode, plan_extend
 
@@ -105,18 +105,21 @@ def test_extend_query_without_keys_reads_poisoned_pad_slot():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_extend_padded_compiled_ignores_unowned_slots():
+@pytest.mark.parametrize("cpu_flash", [True, False])
+def test_extend_compiled_ignores_unowned_slots(cpu_flash):
     b = make_batch([9, 5, 12], [3, 0, 12], hq=4, hkv=2, dqk=16, seed=7)
 
     def step(q, k, v, table, inputs):
-        return extend_padded(q, k, v, build_extend_index(table, inputs, causal=True, sliding_window=None), 0.25)
+        index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=not cpu_flash)
+        return extend_tiles(q, k, v, index, 0.25, cpu_flash=cpu_flash)
 
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
-                       batch_capacity=4, q_capacity=16, kv_capacity=32)  # padded as a bucket would be
+                       batch_capacity=4)
+    tiles = plan_extend_tiles(meta, tile_q=8, tile_k=8, pair_capacity=32)  # padded as a bucket would be
     compiled = compile_step(step)
-    clean = compiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    clean = compiled(b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs)
     _poison_unowned(b, torch.zeros(3, dtype=torch.long), b.seq_lens)
-    out = compiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    out = compiled(b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, clean, atol=1e-6, rtol=1e-6)
 

@@ -1,5 +1,5 @@
-"""Property (issue #12): whatever sits in a slot no request reads (NaN, inf), every decode form and extend_padded
-give the same, finite output, eager and compiled."""
+"""Property (issue #12): whatever sits in a slot no request reads (NaN, inf), every decode form and both forms of
+the tiled extend give the same, finite output, eager and compiled."""
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.decode import build_decode_index, decode_blocks
-from compiled_attn.extend import build_extend_index, extend_padded
+from compiled_attn.extend import build_extend_tile_index, extend_tiles, plan_extend_tiles
 from compiled_attn.plan import plan_decode, plan_extend
 
 EAGER = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -19,8 +19,9 @@ def _decode_step(q, k, v, table, inputs, cpu_flash):
     return decode_blocks(q, k, v, build_decode_index(table, inputs), 0.3, cpu_flash=cpu_flash)
 
 
-def _extend_step(q, k, v, table, inputs, causal, window, cap):
-    return extend_padded(q, k, v, build_extend_index(table, inputs, causal=causal, sliding_window=window), 0.3, cap)
+def _extend_step(q, k, v, table, inputs, causal, window, cap, cpu_flash):
+    index = build_extend_tile_index(table, inputs, causal=causal, sliding_window=window, with_mask=not cpu_flash)
+    return extend_tiles(q, k, v, index, 0.3, cap, cpu_flash=cpu_flash)
 
 
 _compiled_decode = compile_step(_decode_step)
@@ -61,7 +62,9 @@ def _check_extend(reqs, heads, causal, window, cap, seed, value, fn):
                        causal=causal, sliding_window=window, batch_capacity=len(reqs) + seed % 3)
     if meta.num_tokens == 0:
         return
-    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, meta.causal, meta.sliding_window, cap)
+    cpu_flash = cap is None and seed % 2 == 0  # the CPU flash form has no soft-cap
+    tiles = plan_extend_tiles(meta, tile_q=8, tile_k=8, pair_capacity=None if seed % 3 else 256)
+    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, meta.causal, meta.sliding_window, cap, cpu_flash)
     clean = fn(*args)
     n, i = len(reqs), meta.inputs
     _poison(b, i.req_rows[:n], i.kv_lo[:n], i.kv_lo[:n] + i.kv_len[:n], value)

@@ -21,16 +21,16 @@ from profiling import range as prange
 
 from ..decode import build_decode_index, decode_blocks
 from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
-from ..kv_pool import PAD_SLOT
-from ..metadata import DecodeInputs
-from ..plan import plan_decode, plan_extend
-from ..ragged_extend import (
+from ..extend import (
     build_extend_tile_index,
     default_tile_q,
     extend_tiles,
     plan_extend_tiles,
     supports_tile_flash,
 )
+from ..kv_pool import PAD_SLOT
+from ..metadata import DecodeInputs
+from ..plan import plan_decode, plan_extend
 from .loop_baseline import loop_decode, loop_extend
 from .models import AttnFn, DecoderBase
 

@@ -6,7 +6,7 @@ on CPU, ``CPUGraphRunner``'s ``torch.compile`` of the model) work with it. Selec
 ``--attention-backend compiled_attn`` once the plugin (``compiled_attn.sglang.plugin``) is loaded.
 
 Per forward, ``init_forward_metadata`` records the batch; the host-side plan (``plan_decode`` / ``plan_extend``)
-and the per-step index (``build_decode_index`` / ``build_extend_index``) are built once per *layer configuration*
+and the per-step index (``build_decode_index`` / ``build_extend_tile_index``) are built once per *layer configuration*
 ``(sliding window, cross-attention, causal)`` on its first layer and shared by every later layer of that forward.
 
 Graphs (decode only, as SGLang captures only decode): SGLang keys a graph by batch size alone, so the KV work a
@@ -40,9 +40,7 @@ from graphs import cdiv
 
 from ..api import v_is_prefix_of_k
 from ..decode import DecodeIndex, build_decode_index, decode_blocks
-from ..metadata import DecodeInputs
-from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
-from ..ragged_extend import (
+from ..extend import (
     ExtendTileIndex,
     build_extend_tile_index,
     default_tile_q,
@@ -50,6 +48,8 @@ from ..ragged_extend import (
     plan_extend_tiles,
     supports_tile_flash,
 )
+from ..metadata import DecodeInputs
+from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped

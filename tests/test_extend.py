@@ -1,4 +1,4 @@
-"""Ragged tiled extend (compiled_attn.ragged_extend) against the float64 reference, both forms, every feature."""
+"""Ragged tiled extend (compiled_attn.extend) against the float64 reference, both forms, every feature."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
+from compiled_attn.extend import build_extend_tile_index, extend_tiled, extend_tiles, plan_extend_tiles
 from compiled_attn.plan import plan_extend
-from compiled_attn.ragged_extend import build_extend_tile_index, extend_tiled, extend_tiles, plan_extend_tiles
 
 SHAPES = {  # name: (hq, hkv, dqk, dv)
     "mha": (4, 4, 32, 32),
@@ -141,7 +141,7 @@ def test_random_batches(data):
 def test_flash_form_spans_merge_and_per_span_gathers(kw, held_bytes, monkeypatch):
     """Small spans: a query tile's keys in several kernel calls merged by log-sum-exp; with ``HELD_BYTES`` 1 every
     span gathers its own keys instead of slicing its request's."""
-    import compiled_attn.ragged_extend_flash as flash
+    import compiled_attn.extend_flash as flash
 
     if held_bytes is not None:
         monkeypatch.setattr(flash, "HELD_BYTES", held_bytes)
