@@ -146,3 +146,13 @@ def test_bench_ops_runs_and_reports_ratios(capsys):
                            "--no-malloc-tuning"]) == 0
     out = capsys.readouterr().out
     assert "compiled_x" in out and "mha decode" in out and "mla decode" in out and "malloc tuning off" in out
+
+
+def test_bench_ops_extend_runs_and_reports_waste(capsys):
+    from compiled_attn.bench import ops as bench_ops
+
+    # loop, eager and compiled agree (2e-3) inside bench_extend_case before anything is timed
+    assert bench_ops.main(["--ops", "extend", "--batch-size", "1", "--new", "uniform", "--prefix", "0", "--iters",
+                           "1", "--no-malloc-tuning"]) == 0
+    out = capsys.readouterr().out
+    assert "waste_64" in out and "GFLOP/s" in out

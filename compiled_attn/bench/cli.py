@@ -4,6 +4,9 @@
     compiled-attn bench-ops ...        one attention op: loop vs eager vs compiled (bench_ops.py)
     compiled-attn bench-step ...       N-layer decode step: warm-up, first/median step, warm restart (bench_step.py)
     compiled-attn bench-sglang ...     our SGLang backend vs SGLang's torch_native on the same ForwardBatches
+    compiled-attn serve ...            SGLang's server with --attention-backend compiled_attn (CPU fix-ups applied)
+    compiled-attn make-model ...       seeded random-weight HF checkpoint + word-level tokenizer (no download)
+    compiled-attn bench-engine ...     live sglang.Engine per backend and batch size: prefill / first / median decode
     compiled-attn profile ...          an nsys session around ``bench`` (profiling/nsys_session.sh)
     compiled-attn soak ...             random arrivals/finishes through DecodeGraphs, checked against float64
     compiled-attn profile-summary F    time per range from a torch.profiler trace or an nsys CSV
@@ -23,6 +26,9 @@ COMMANDS = {
     "bench-step": "compiled_attn.bench.step",
     "bench-sglang": "compiled_attn.bench.sglang_layer",
     "soak": "compiled_attn.bench.soak",
+    "serve": "compiled_attn.sglang.serve",
+    "make-model": "compiled_attn.sglang.make_model",
+    "bench-engine": "compiled_attn.bench.engine_bench",
     "profile-summary": "profiling.summary",
 }
 

@@ -1,5 +1,6 @@
 """``compiled-attn bench-ops``: one attention op, side by side: the per-request SDPA loop (SGLang torch_native's
-algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA decode at several batch sizes.
+algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA decode at several batch sizes, and
+(``--ops extend mla-extend``, ``ops_extend.py``) the tiled extend.
 
 Reports medians, ratios to the loop, and effective GB/s (K/V bytes the batch needs / time) next to a plain copy
 bandwidth measured in the same run. The three are timed round-robin (one call of each per round), with glibc's
@@ -19,6 +20,8 @@ from ..plan import plan_decode
 from .batches import make_batch
 from .loop_baseline import loop_decode
 from .models import get_attention_shape
+from .ops_extend import COLUMNS as EXTEND_COLUMNS
+from .ops_extend import NEW_LENS, PREFIXES, SHAPES, bench_extend_case, matmul_gflops
 from .report import OneLineParser, int_at_least
 
 
@@ -68,19 +71,32 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="compiled-attn bench-ops", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=["mha", "mla"])
-    p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=[1, 8, 32])
-    p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"])
+    p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=["mha", "mla", *SHAPES])
+    p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
+                   help="default: 1 8 32 (decode), 1 4 16 (extend)")
+    p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"], help="decode contexts")
+    p.add_argument("--new", nargs="+", default=["uniform", "mixed"], choices=NEW_LENS,
+                   help="extend: new tokens per request (uniform 512, mixed 64..2048)")
+    p.add_argument("--prefix", nargs="+", default=["0", "1024", "mixed"], choices=PREFIXES,
+                   help="extend: cached prefix per request")
     p.add_argument("--iters", type=int_at_least(1), default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_malloc_flag(p)
     args = p.parse_args(argv)
     malloc = not args.no_malloc_tuning and tune_malloc()
     torch.manual_seed(0)
-    rows = [bench_case(op, bs, lens, iters=args.iters, dtype=getattr(torch, args.dtype))
-            for op in args.ops for lens in args.lens for bs in args.batch_size]
-    cols = ["op", "bs", "lens", "loop_ms", "eager_ms", "compiled_ms", "eager_x", "compiled_x", "compiled_GBps"]
-    print(format_table(rows, cols))
+    decode_ops = [op for op in args.ops if op in ("mha", "mla")]
+    extend_ops = [op for op in args.ops if op in SHAPES]
+    if decode_ops:
+        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=getattr(torch, args.dtype))
+                for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]]
+        cols = ["op", "bs", "lens", "loop_ms", "eager_ms", "compiled_ms", "eager_x", "compiled_x", "compiled_GBps"]
+        print(format_table(rows, cols), flush=True)
+    if extend_ops:
+        rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
+                for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
+        print(format_table(rows, EXTEND_COLUMNS))
+        print(f"float32 matmul 2048^3: {matmul_gflops():.0f} GFLOP/s (the compute roof for the GFLOPs column)")
     print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}; "
           f"malloc tuning {'on' if malloc else 'off'}")
     return 0

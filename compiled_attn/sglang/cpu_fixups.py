@@ -1,34 +1,81 @@
-"""Make SGLang 0.5.23 importable on a CPU-only machine (fix-ups applied before SGLang is imported).
+"""Fix-ups that let SGLang 0.5.23 be imported, and run as a live engine, on a CPU-only machine.
 
-Import order matters on a CPU-only machine: import this module (it applies the fix-up
-below) or call :func:`ensure_sglang_importable` before anything imports ``sglang``,
-``torchvision`` or ``transformers``' image utilities. SGLang imports ``torchvision`` at module level
-(``sglang.srt.configs`` -> ``multimodal/internvl_utils``), and PyPI's torchvision wheel
-carries CUDA-linked C++ ops that cannot load beside the CPU build of torch; its Python
-then dies on ``register_fake("torchvision::nms")``. We declare the two op schemas it
-registers fakes for, which is all its pure-Python part needs. On a machine where the ops
-do load (CUDA torch + matching torchvision) nothing is declared.
+Two users, two modes:
+
+- The layer-level test harness (``compiled_attn.sglang.testing``) runs SGLang's *generic* path: it calls
+  :func:`ensure_sglang_importable` (torchvision fix-up; drops ``SGLANG_USE_CPU_ENGINE`` when no ``sgl_kernel``
+  is installed) before importing SGLang.
+- A live engine/server (``compiled_attn.sglang.serve``) runs SGLang's *CPU engine* path: :func:`apply` must run in
+  every SGLang process before that process imports ``torchvision``, ``transformers`` or ``sglang``. The launching
+  process calls it itself; SGLang spawns its scheduler and detokenizer with multiprocessing's "spawn", and their
+  targets are :data:`run_scheduler_process` / :data:`run_detokenizer_process` (:class:`ChildTarget`), whose
+  unpickling in the child calls :func:`apply` before the target's arguments (which import SGLang) are unpickled.
+
+The two modes are exclusive per process (one sets ``SGLANG_USE_CPU_ENGINE=1``, the other drops it), so a process
+that has used the harness must not start a live engine in-process; start it in a subprocess.
+
+Each :func:`apply` fix-up names the last SGLang version known to need it (``FIXUPS``); nothing is applied where CUDA
+is available or SGLang is absent or newer. Each also checks that it is still needed here (e.g. a real
+``sgl_kernel`` wins over the stand-in; torchvision ops that do load are used as they are).
+
+This module must stay free of module-level imports of sglang, transformers and torchvision.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib
 import importlib.util
 import os
 import sys
+import types
 
-import torch
-
-# Keeps the op declarations alive: a torch.library.Library drops its definitions when
-# it is garbage-collected.
+# The last SGLang release checked; a fix-up applies to versions up to the one it names (raise it after checking).
+SGLANG_0_5_23 = (0, 5, 23)
+# torch.library.Library objects drop their definitions when garbage-collected: keep the torchvision one here.
 _TORCHVISION_OPS_LIB = None
+# What apply() did in this process, by fix-up name (for tests and logs).
+APPLIED: dict[str, bool] = {}
+
+
+def _version_tuple(text: str) -> tuple:
+    """``"0.5.23.post1"`` -> ``(0, 5, 23)``: the numeric release part only."""
+    out = []
+    for part in text.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits or not part[0].isdigit():
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def sglang_version() -> tuple | None:
+    """Installed SGLang's version from its metadata (no import), or None if SGLang is absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return _version_tuple(version("sglang"))
+    except PackageNotFoundError:
+        return None
+
+
+def cpu_only() -> bool:
+    """True without a usable CUDA device: the only case the live-engine fix-ups are for."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# --- fix-ups (each one line of why in its docstring) -------------------------------------------------------------
 
 
 def ensure_torchvision_importable() -> bool:
-    """Make ``import torchvision`` work beside a CPU torch when its C++ ops can't load.
+    """PyPI's torchvision ops are CUDA-linked and can't load beside CPU torch; declare the 2 schemas it fakes.
 
-    Returns True if it had to declare the op schemas. Does nothing (returns False) when
-    torchvision is absent, already imported, or its ``_C`` extension loads.
+    SGLang imports ``torchvision`` at module level (``sglang.srt.configs`` -> ``multimodal/internvl_utils``), and
+    torchvision's Python then dies on ``register_fake("torchvision::nms")``; declaring ``nms``/``qnms`` is all its
+    pure-Python part needs. Returns True if it declared them; False (nothing done) when torchvision is absent,
+    already imported, already fixed, or its ``_C`` extension loads (CUDA torch + matching torchvision).
     """
     global _TORCHVISION_OPS_LIB
     if _TORCHVISION_OPS_LIB is not None or "torchvision" in sys.modules:
@@ -36,36 +83,116 @@ def ensure_torchvision_importable() -> bool:
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return False
-    libs = []
+    import torch
+
     for loc in spec.submodule_search_locations:
-        libs += glob.glob(os.path.join(loc, "_C.so")) + glob.glob(os.path.join(loc, "_C.*.so"))
-    if libs:
-        try:
-            # What torchvision.extension does itself; loading twice is harmless.
-            torch.ops.load_library(libs[0])
-            return False
-        except (OSError, ImportError, RuntimeError):
-            pass
+        for lib in glob.glob(os.path.join(loc, "_C*.so")):
+            try:
+                torch.ops.load_library(lib)  # what torchvision.extension does itself; loading twice is harmless
+                return False
+            except (OSError, ImportError, RuntimeError):
+                pass
     lib = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in (
-        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    ):
+    for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                   "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):
         try:
             lib.define(schema)
-        except RuntimeError:  # already declared by someone else
+        except RuntimeError:  # declared already by someone else
             pass
     _TORCHVISION_OPS_LIB = lib
     return True
 
 
-def ensure_sglang_importable() -> None:
-    """Everything that must happen before the first ``import sglang`` on a CPU machine.
+def set_cpu_engine_env() -> bool:
+    """SGLang takes its CPU engine path only with ``SGLANG_USE_CPU_ENGINE=1`` (else its rotary embedding needs vllm)."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        return False
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # inherited by the spawned children
+    return True
 
-    Besides the torchvision fix-up: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's switch for its
-    CPU server) makes SGLang import ``sgl_kernel`` (its CPU kernel build, not on PyPI) at
-    module level; without that package the harness runs SGLang's generic path instead, so
-    the variable is dropped here, before SGLang reads it at import.
+
+class _KernelStandIn(types.ModuleType):
+    """A module whose every public name is a function raising ``NotImplementedError`` when called.
+
+    SGLang's CPU modules import ``*_cpu`` kernels from ``sgl_kernel`` at module level but call them only on
+    CPUs with AMX (and PyPI has no CPU build), so the names must exist; a call means a path we don't support.
+    With SGLang 0.5.23 the names taken at import are ``assign_req_to_token_pool_cpu``,
+    ``copy_all_layer_kv_cache_cpu``, ``assign_extend_cache_locs_cpu``, ``assign_draft_cache_locs_contiguous_cpu``,
+    ``build_tree_kernel_efficient_cpu``, ``fill_accept_out_cache_loc_cpu``, ``fill_bonus_tokens_cpu`` and
+    ``verify_tree_greedy_cpu``; any name is answered, so a new import doesn't break start-up.
+    """
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def missing(*args, **kwargs):
+            raise NotImplementedError(f"{self.__name__}.{name}: sgl_kernel is not installed (CPU-only stand-in)")
+
+        missing.__name__ = missing.__qualname__ = name
+        setattr(self, name, missing)
+        return missing
+
+
+class _StandInFinder:
+    """Meta-path finder that makes ``sgl_kernel`` (not its submodules) importable as a :class:`_KernelStandIn`.
+
+    Submodules stay missing on purpose: SGLang wraps ``from sgl_kernel.<sub> import ...`` in ``try/except
+    ImportError`` with CPU fallbacks (e.g. ``sgl_kernel.scalar_type``), which a stand-in would defeat.
+    """
+
+    ROOT = "sgl_kernel"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.ROOT:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return _KernelStandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def _stand_in_installed() -> bool:
+    return any(isinstance(f, _StandInFinder) for f in sys.meta_path)
+
+
+def install_sgl_kernel_stand_in() -> bool:
+    """SGLang's CPU engine imports ``sgl_kernel`` at module level and PyPI has no CPU build: answer with a stand-in."""
+    if _stand_in_installed():
+        return False
+    if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
+        return False  # a real sgl_kernel is installed: use it
+    sys.meta_path.append(_StandInFinder())  # appended: a real package installed later still wins
+    return True
+
+
+def skip_cpu_compile_fake_ops() -> bool:
+    """``--enable-torch-compile`` registers fakes for ``sgl_kernel::*`` ops the stand-in lacks: make that a no-op.
+
+    The fakes serve only graphs that call sgl_kernel ops, which a CPU without the real kernels never does.
+    Runs only once this process has imported SGLang (after the torchvision fix-up).
+    """
+    if not _stand_in_installed():
+        return False
+    from sglang.srt.model_executor import cpu_graph_runner
+
+    def register_fake_ops(tp_size: int) -> None:
+        """No-op: the stand-in ``sgl_kernel`` defines no torch ops to fake."""
+
+    cpu_graph_runner.register_fake_ops = register_fake_ops  # CPUGraphRunner looks the name up at call time
+    return True
+
+
+def ensure_sglang_importable() -> None:
+    """Harness mode: everything before the first ``import sglang`` to run SGLang's generic path on a CPU machine.
+
+    Besides the torchvision fix-up: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's switch for its CPU server) makes SGLang
+    import ``sgl_kernel`` (its CPU kernel build, not on PyPI) at module level; without that package (and without
+    :func:`apply`'s stand-in) the harness runs SGLang's generic path instead, so the variable is dropped here,
+    before SGLang reads it at import.
     """
     ensure_torchvision_importable()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and "sglang" not in sys.modules:
@@ -75,3 +202,70 @@ def ensure_sglang_importable() -> None:
             warnings.warn("compiled_attn: SGLANG_USE_CPU_ENGINE=1 needs sgl_kernel, which is "
                           "not installed; unsetting it for this process", stacklevel=2)
             del os.environ["SGLANG_USE_CPU_ENGINE"]
+
+
+# --- live-engine mode ------------------------------------------------------------------------------------------
+
+# (name, function, last SGLang version that needs it, needs SGLang imported). The first three must run before
+# SGLang is imported; the last patches an SGLang module, so it waits until this process has imported SGLang (the
+# child targets below call apply() again once SGLang is loaded), which keeps apply() cheap where SGLang is unused.
+FIXUPS = (
+    ("torchvision", ensure_torchvision_importable, SGLANG_0_5_23, False),
+    ("cpu_engine_env", set_cpu_engine_env, SGLANG_0_5_23, False),
+    ("sgl_kernel_stand_in", install_sgl_kernel_stand_in, SGLANG_0_5_23, False),
+    ("skip_cpu_compile_fake_ops", skip_cpu_compile_fake_ops, SGLANG_0_5_23, True),
+)
+_version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
+
+
+def apply() -> dict[str, bool]:
+    """Live-engine mode: apply every fix-up this machine and SGLang version need; safe to call any number of times.
+
+    Returns ``{fix-up name: applied}`` for the fix-ups handled so far in this process; empty where CUDA is
+    available or SGLang is absent or newer than every fix-up's version (then nothing is touched).
+    """
+    global _version
+    if _version is None:
+        _version = (sglang_version() or ()) if cpu_only() else ()
+    for name, fn, until, after_sglang in FIXUPS:
+        if not _version or _version > until or name in APPLIED:
+            continue
+        if after_sglang and "sglang" not in sys.modules:
+            continue
+        APPLIED[name] = fn()
+    return APPLIED
+
+
+class ChildTarget:
+    """A picklable process target: SGLang's ``module.name``, with :func:`apply` run first in the spawned child.
+
+    A spawned child unpickles its process object, target first and arguments after; the arguments (SGLang's
+    ``ServerArgs``) import SGLang. Unpickling this target calls :func:`_child_target`, which applies the fix-ups,
+    so they are in place before that. Constructing one has no side effects.
+    """
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+        self.__name__ = self.__qualname__ = name  # read by SGLang/multiprocessing for names and logs
+
+    def __call__(self, *args, **kwargs):
+        apply()
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+
+    def __reduce__(self):
+        return _child_target, (self.module, self.name)
+
+    def __repr__(self) -> str:
+        return f"ChildTarget({self.module!r}, {self.name!r})"
+
+
+def _child_target(module: str, name: str) -> ChildTarget:
+    """Unpickling hook for :class:`ChildTarget`: applies the fix-ups in the child, then rebuilds the target."""
+    apply()
+    return ChildTarget(module, name)
+
+
+# Targets for sglang.Engine's run_scheduler_process_func / run_detokenizer_process_func (and launch_server's
+# arguments of the same names).
+run_scheduler_process = ChildTarget("sglang.srt.managers.scheduler", "run_scheduler_process")
+run_detokenizer_process = ChildTarget("sglang.srt.managers.detokenizer_manager", "run_detokenizer_process")

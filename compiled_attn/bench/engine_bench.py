@@ -1,0 +1,287 @@
+"""``compiled-attn bench-engine``: a live SGLang engine, per attention backend and batch size (CPU or GPU).
+
+    compiled-attn bench-engine [--model tiny-llama | --model-path DIR] [--backend torch_native,compiled_attn,
+        compiled_attn+compile] [--batch-size 1,8,32] [--context 1024] [--decode-steps 32] [--rounds 3] [--threads 2]
+
+Each backend gets its own ``sglang.Engine`` (``serve.engine``: CPU fix-ups, random-weight model from
+``make_model`` unless ``--model-path``), each in a worker subprocess of its own (SGLang keeps one engine per
+process), all started first and kept up; the engines then take turns: round r runs batch size 1 on every
+backend, then batch size 8 on every backend, ..., the backend order rotating each round, so slow drifts of the
+machine hit every backend alike. ``--sleep-on-idle`` is set, so a waiting engine does not spin on the cores.
+One warm-up batch per backend and batch size precedes the timed rounds.
+
+A timed batch: ``bs`` requests of ``--context`` random tokens (radix cache flushed first), submitted at once,
+greedy, ``--decode-steps`` + 1 new tokens, streamed. With ``T_k`` the time all requests have ``k`` tokens:
+prefill = ``T_1`` (from submission; all prompts prefilled and one token sampled), first decode = ``T_2 - T_1``,
+median decode = the median of ``T_{k+1} - T_k``; reported as the median over rounds. Tokens that reach the
+client together (on 2 cores the client is sometimes descheduled and stream chunks coalesce) share the interval
+since the previous arrival evenly. This is what a client
+sees: it includes the scheduler, sampling, detokenizer and IPC, not only the forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = {
+    "torch_native": dict(attention_backend="torch_native", disable_cuda_graph=True),
+    "compiled_attn": dict(attention_backend="compiled_attn", disable_cuda_graph=True),
+    "compiled_attn+compile": dict(attention_backend="compiled_attn", enable_torch_compile=True),
+}
+MARK = "@@engine_bench "  # protocol lines on the worker's stdout (SGLang may print there too)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sorted(set(out))
+
+
+def _backends(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in BACKENDS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad or text!r}; choose from {', '.join(BACKENDS)}")
+    return list(dict.fromkeys(out))
+
+
+def _positive(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        return v
+
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from ..sglang.make_model import PRESETS
+
+    p = argparse.ArgumentParser(prog="compiled-attn bench-engine", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="tiny-llama", choices=sorted(PRESETS), help="make_model preset")
+    src.add_argument("--model-path", help="an existing checkpoint directory instead of --model")
+    p.add_argument("--backend", type=_backends, default=list(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--batch-size", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
+    p.add_argument("--context", type=_positive(1), default=1024, help="prompt tokens per request (default 1024)")
+    p.add_argument("--decode-steps", type=_positive(2), default=32, help="timed decode steps per batch (default 32)")
+    p.add_argument("--rounds", type=_positive(1), default=3, help="timed rounds (default 3)")
+    p.add_argument("--threads", type=_positive(1), default=2, help="OMP_NUM_THREADS of every engine (default 2)")
+    p.add_argument("--chunked-prefill-size", type=_positive(1), default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=_positive(1), default=1800, help="seconds an engine may take to start")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if args.model_path:
+        if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+            p.error(f"--model-path {args.model_path}: no config.json there")
+        max_pos = json.load(open(os.path.join(args.model_path, "config.json"))).get("max_position_embeddings")
+    else:
+        max_pos = PRESETS[args.model]["max_position_embeddings"]
+    if max_pos and args.context + args.decode_steps + 1 > max_pos:
+        p.error(f"--context {args.context} + --decode-steps {args.decode_steps} + 1 exceeds the model's "
+                f"max_position_embeddings {max_pos}")
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.access(d, os.W_OK):
+            p.error(f"--json {args.json}: directory {d} is not writable")
+    return args
+
+
+# --- worker (one engine) -------------------------------------------------------------------------------------
+
+
+def _send(obj: dict) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _measure(eng, bs: int, context: int, steps: int, seed: int, vocab: int) -> dict:
+    import asyncio
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(context)] for _ in range(bs)]
+    sampling = {"temperature": 0.0, "max_new_tokens": steps + 1, "ignore_eos": True}
+    eng.flush_cache()
+
+    async def one(ids: list[int], t0: float) -> list[float]:
+        arrivals: list[float] = []  # arrivals[k-1] = time (s after t0) this request had k tokens
+        gen = await eng.async_generate(input_ids=ids, sampling_params=sampling, stream=True)
+        async for chunk in gen:
+            now = time.perf_counter() - t0
+            n = chunk["meta_info"]["completion_tokens"]
+            arrivals += [now] * (n - len(arrivals))
+        return arrivals
+
+    async def run() -> list[list[float]]:
+        t0 = time.perf_counter()
+        return await asyncio.gather(*(one(ids, t0) for ids in prompts))
+
+    per_req = eng.loop.run_until_complete(run())
+    t = _spread_bursts([max(r[k] for r in per_req) for k in range(steps + 1)])
+    decode = [b - a for a, b in zip(t[:-1], t[1:], strict=True)]
+    return dict(prefill_s=t[0], first_decode_s=decode[0], median_decode_s=statistics.median(decode))
+
+
+def _spread_bursts(t: list[float]) -> list[float]:
+    """Tokens that reached the client together (a busy client coalesces stream chunks) share the interval since
+    the previous arrival evenly: ``[0, 5, 5, 5]`` -> ``[0, 5/3, 10/3, 5]``. ``t[0]`` (prefill) is kept."""
+    out = list(t)
+    i = 1
+    while i < len(t):
+        j = i
+        while j + 1 < len(t) and t[j + 1] == t[i]:
+            j += 1
+        start, n = t[i - 1], j - i + 1
+        for m in range(i, j + 1):
+            out[m] = start + (t[i] - start) * (m - i + 1) / n
+        i = j + 1
+    return out
+
+
+def _worker(spec: dict) -> int:
+    os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from ..sglang import serve
+
+    max_bs = max(spec["batch_sizes"])
+    with open(os.path.join(spec["model_dir"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    kw = dict(BACKENDS[spec["backend"]])
+    if kw.get("enable_torch_compile"):
+        kw["cuda_graph_bs_decode"] = spec["batch_sizes"]
+    t0 = time.perf_counter()
+    eng = serve.engine(model_path=spec["model_dir"], context_length=spec["context"] + spec["steps"] + 8,
+                       max_total_tokens=max_bs * (spec["context"] + spec["steps"] + 8) + 256,
+                       max_running_requests=max_bs, chunked_prefill_size=spec["chunked_prefill_size"],
+                       sleep_on_idle=True, skip_server_warmup=True, log_level="error", **kw)
+    _send(dict(ready=True, start_s=time.perf_counter() - t0))
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd.get("quit"):
+                break
+            t1 = time.perf_counter()
+            res = _measure(eng, cmd["bs"], spec["context"], spec["steps"], cmd["seed"], vocab)
+            _send(dict(res, wall_s=time.perf_counter() - t1))
+    finally:
+        eng.shutdown()
+    return 0
+
+
+# --- driver --------------------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """One worker subprocess holding one engine; ``run(bs, seed)`` is one timed batch."""
+
+    def __init__(self, backend: str, spec: dict):
+        self.backend = backend
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+        self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, "--worker",
+                                      json.dumps(dict(spec, backend=backend))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
+
+    def _recv(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"{self.backend}: engine worker exited (rc={self.proc.wait()}); see its stderr above")
+
+    def ready(self) -> dict:
+        return self._recv()
+
+    def run(self, bs: int, seed: int) -> dict:
+        self.proc.stdin.write(json.dumps(dict(bs=bs, seed=seed)) + "\n")
+        self.proc.stdin.flush()
+        return self._recv()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(dict(quit=True)) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _ms(s: float) -> str:
+    return f"{1000 * s:9.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.worker:
+        return _worker(json.loads(args.worker))
+    model_dir = args.model_path
+    if not model_dir:
+        from ..sglang.make_model import make_model
+
+        model_dir = make_model(args.model, os.path.join(tempfile.mkdtemp(prefix="bench_engine_"), args.model),
+                               seed=args.seed)
+    spec = dict(model_dir=model_dir, context=args.context, steps=args.decode_steps, threads=args.threads,
+                batch_sizes=args.batch_size, chunked_prefill_size=args.chunked_prefill_size)
+    print(f"# model {args.model_path or args.model}, context {args.context}, {args.decode_steps} decode steps, "
+          f"OMP_NUM_THREADS={args.threads}, {args.rounds} rounds, backends interleaved", flush=True)
+    engines: list[_Engine] = []
+    results: dict = {"config": {k: v for k, v in vars(args).items() if k != "worker"}, "start_s": {}, "runs": {}}
+    try:
+        for b in args.backend:  # one at a time: start-up (compile) doesn't compete with another's
+            eng = _Engine(b, spec)
+            engines.append(eng)
+            results["start_s"][b] = round(eng.ready()["start_s"], 1)
+            print(f"# {b}: engine up in {results['start_s'][b]} s", flush=True)
+        for bs in args.batch_size:  # warm-up, not timed
+            for eng in engines:
+                eng.run(bs, seed=args.seed + 10_000 + bs)
+        for r in range(args.rounds):
+            for bs in args.batch_size:
+                order = engines[r % len(engines):] + engines[:r % len(engines)]
+                for eng in order:
+                    res = eng.run(bs, seed=args.seed + 1000 * r + bs)
+                    results["runs"].setdefault(f"{eng.backend} bs={bs}", []).append(res)
+    finally:
+        for eng in engines:
+            eng.close()
+    print(f"{'backend':24} {'bs':>4} {'prefill ms':>10} {'1st dec ms':>10} {'med dec ms':>10} {'1st/med':>8}")
+    summary = {}
+    for bs in args.batch_size:
+        for b in args.backend:
+            runs = results["runs"][f"{b} bs={bs}"]
+            m = {k: statistics.median(x[k] for x in runs) for k in ("prefill_s", "first_decode_s", "median_decode_s")}
+            summary[f"{b} bs={bs}"] = m
+            print(f"{b:24} {bs:4d} {_ms(m['prefill_s']):>10} {_ms(m['first_decode_s']):>10} "
+                  f"{_ms(m['median_decode_s']):>10} {m['first_decode_s'] / m['median_decode_s']:8.2f}")
+    results["summary"] = summary
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

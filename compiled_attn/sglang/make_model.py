@@ -1,0 +1,200 @@
+"""Seeded random-weight Hugging Face checkpoints that SGLang and transformers both load (no download).
+
+    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|llama-3-8b-2l|deepseek-v2-lite-2l DIR [--seed N]
+
+``make_model(preset, out_dir, seed=0)`` writes ``config.json``, ``model.safetensors``, ``generation_config.json``
+and a word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) into ``out_dir``, so a live engine
+can be started and compared with ``transformers.generate`` without any download.
+
+Presets:
+
+- ``tiny-llama``: Llama with GQA (4 query heads, 2 KV heads, head size 16), 2 layers, 256 tokens.
+- ``tiny-deepseek-v2``: DeepSeek-V2 with MLA (small ``kv_lora_rank``; SGLang decodes it through the absorbed
+  latent-cache path) and a small MoE in the second layer.
+- ``llama-3-8b-2l``: Llama-3-8B's attention and MLP shapes (32 query / 8 KV heads of 128, hidden 4096,
+  intermediate 14336), 2 layers, vocabulary cut to 8192 tokens (benchmarks only).
+- ``deepseek-v2-lite-2l``: DeepSeek-V2-Lite's MLA shapes (16 heads, kv_lora_rank 512, qk 128+64, v 128, hidden
+  2048), 2 layers (dense, then MoE with 8 of its 64 routed experts), vocabulary 8192 (benchmarks only).
+
+Weights are drawn with a fixed ``torch`` seed, scaled up from transformers' default init so that greedy decoding
+does not collapse onto one token (a near-zero model would make every backend agree trivially); the large presets
+scale by ``1/sqrt(fan_in)`` instead, so activations stay finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+NUM_WORDS = 252  # tiny presets: 256 tokens in all. Word-level vocabulary: special tokens, then "w0".."w{N-1}".
+
+_COMMON = dict(
+    vocab_size=len(SPECIAL_TOKENS) + NUM_WORDS,
+    hidden_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=2048,  # room for bench-engine's default 1k context
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+_TINY_LLAMA = dict(
+    _COMMON,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per KV head
+    head_dim=16,
+    rope_theta=10000.0,
+)
+_YARN_1 = dict(type="yarn", rope_type="yarn", factor=1.0, original_max_position_embeddings=2048,
+               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+_TINY_DEEPSEEK = dict(
+    _COMMON,
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    # MLA: latent cache of kv_lora_rank + qk_rope_head_dim (48) per token, one shared KV "head"
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    # MoE in layer 1 (layer 0 dense): transformers 5 needs n_routed_experts, SGLang's reader moe_layer_freq
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    routed_scaling_factor=1.0,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    # SGLang's CPU rope for DeepSeek reads rope_scaling (yarn) and rope_theta; factor 1 = plain rope
+    rope_theta=10000.0,
+    rope_scaling=_YARN_1,
+)
+_BIG = dict(vocab_size=8192, max_position_embeddings=4096, num_hidden_layers=2)
+
+PRESETS: dict[str, dict] = {
+    "tiny-llama": _TINY_LLAMA,
+    "tiny-deepseek-v2": _TINY_DEEPSEEK,
+    "llama-3-8b-2l": dict(_TINY_LLAMA, **_BIG, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "deepseek-v2-lite-2l": dict(
+        _TINY_DEEPSEEK, **_BIG, hidden_size=2048, intermediate_size=10944, num_attention_heads=16,
+        num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+        rope_scaling=dict(_YARN_1, original_max_position_embeddings=4096)),
+}
+# Weight scale: a fixed std for the tiny presets (what their tests were checked with), 1/sqrt(fan_in) otherwise.
+_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2}
+
+
+def word(i: int, num_words: int = NUM_WORDS) -> str:
+    """The ``i``-th ordinary word of the tokenizer's vocabulary (what prompts are made of)."""
+    return f"w{i % num_words}"
+
+
+def prompt_of(ids: list[int]) -> str:
+    """A prompt string whose tokens are the words ``ids`` (taken modulo the tiny vocabulary)."""
+    return " ".join(word(i) for i in ids)
+
+
+def write_tokenizer(out_dir: str, model_max_length: int, vocab_size: int = len(SPECIAL_TOKENS) + NUM_WORDS) -> None:
+    """A whitespace word-level ``tokenizers`` tokenizer; no BOS is added so token ids map 1:1 to words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    num_words = vocab_size - len(SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({word(i, num_words): len(SPECIAL_TOKENS) + i for i in range(num_words)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = dict(
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        add_bos_token=False, add_eos_token=False,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _randomize(model, seed: int, std: float | None) -> None:
+    """Seeded normal weights for every matrix (norm weights stay 1, other vectors 0): logits vary by token.
+
+    ``std=None``: ``1.6 / sqrt(fan_in)`` per matrix (0.2 at fan-in 64), for the large presets.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                s = std if std is not None else 1.6 / p.shape[-1] ** 0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+            elif "norm" not in name:
+                p.zero_()
+
+
+def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
+    """Write preset ``preset`` with seeded random weights to ``out_dir`` (created); returns ``out_dir``.
+
+    The checkpoint is float32 safetensors saved by transformers' ``save_pretrained``; the same directory loads in
+    ``transformers.AutoModelForCausalLM`` and as an SGLang ``--model-path``. Same preset and seed, same weights.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    from . import cpu_fixups
+
+    cpu_fixups.ensure_torchvision_importable()  # transformers imports torchvision (CPU-only machines)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = dict(PRESETS[preset])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed, _FIXED_STD.get(preset))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3, do_sample=False).save_pretrained(out_dir)
+    write_tokenizer(out_dir, cfg["max_position_embeddings"], cfg["vocab_size"])
+    # Keys SGLang reads straight from config.json that transformers' save_pretrained may drop
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    for key in ("rope_scaling", "rope_theta", "moe_layer_freq", "scoring_func", "n_routed_experts", "head_dim"):
+        if key in cfg and saved.get(key) != cfg[key]:
+            saved[key] = cfg[key]
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=2)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="compiled-attn make-model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("out_dir", help="directory to write (created)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    print(make_model(args.preset, args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

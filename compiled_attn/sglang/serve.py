@@ -1,0 +1,161 @@
+"""``compiled-attn serve``: SGLang's own server (or ``sglang.Engine``) with the CPU fix-ups, on any machine.
+
+    compiled-attn serve --model-path DIR [any sglang.launch_server flag]
+
+On a CPU-only machine this applies :mod:`compiled_attn.sglang.cpu_fixups` in this process and, through the process
+targets it hands to SGLang, in every spawned child, and defaults ``--device cpu`` and ``--attention-backend
+compiled_attn``. With CUDA available it applies nothing and only adds the ``--attention-backend`` default. The
+server itself is SGLang's, unchanged.
+
+Flags our backend cannot serve (:func:`check_args`) are refused before anything starts, with one message naming
+the flag, rather than at the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import cpu_fixups
+
+BACKEND = "compiled_attn"
+# KV-cache dtypes the backend reads (its functions take float32/bfloat16/float16; "auto" = the model's dtype).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+
+
+class UnsupportedArgument(ValueError):
+    """A server flag ``--attention-backend compiled_attn`` cannot serve; the message names the flag."""
+
+
+def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str | None = None,
+               speculative_algorithm: str | None = None, page_size: int | None = None) -> None:
+    """Refuse what :class:`compiled_attn.sglang.backend.CompiledAttnBackend` would refuse at the first request.
+
+    Only applies when the attention backend is ours (``None`` = our default). Raises :class:`UnsupportedArgument`.
+    """
+    if attention_backend not in (None, BACKEND):
+        return
+    if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise UnsupportedArgument(
+            f"--kv-cache-dtype {kv_cache_dtype}: not supported by --attention-backend {BACKEND} (it reads "
+            f"float32/bfloat16/float16 caches); use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    if speculative_algorithm:
+        raise UnsupportedArgument(f"--speculative-algorithm {speculative_algorithm}: speculative decoding is not "
+                                  f"supported by --attention-backend {BACKEND}")
+    if page_size is not None and int(page_size) < 1:
+        raise UnsupportedArgument(f"--page-size {page_size}: --attention-backend {BACKEND} needs a positive "
+                                  "number of tokens per page")
+
+
+def _flag_values(argv: list[str]) -> dict:
+    """The flags :func:`check_args` looks at, read from ``argv`` without importing SGLang."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--attention-backend")
+    p.add_argument("--kv-cache-dtype")
+    p.add_argument("--speculative-algorithm", "--speculative-algo")
+    p.add_argument("--page-size", type=int)
+    known, _ = p.parse_known_args(argv)
+    return dict(attention_backend=known.attention_backend or BACKEND, kv_cache_dtype=known.kv_cache_dtype,
+                speculative_algorithm=known.speculative_algorithm, page_size=known.page_size)
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    """True if ``flag`` appears in ``argv`` as ``--flag value`` or ``--flag=value``."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def server_argv(argv: list[str], cpu: bool) -> list[str]:
+    """``argv`` with our defaults added for flags the user did not give."""
+    out = list(argv)
+    if not _has_flag(out, "--attention-backend"):
+        out += ["--attention-backend", BACKEND]
+    if cpu and not _has_flag(out, "--device"):
+        out += ["--device", "cpu"]
+    return out
+
+
+_ENGINE_CLASS = None
+
+
+def engine_class():
+    """``sglang.Engine`` with child-process targets that apply the fix-ups in the child before SGLang loads.
+
+    ``run_scheduler_process_func`` / ``run_detokenizer_process_func`` are the class attributes SGLang offers for
+    replacing those targets. A subclass, so SGLang's own ``Engine`` is left as it is.
+    """
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        from sglang.srt.entrypoints.engine import Engine
+
+        class CPUEngine(Engine):
+            run_scheduler_process_func = staticmethod(cpu_fixups.run_scheduler_process)
+            run_detokenizer_process_func = staticmethod(cpu_fixups.run_detokenizer_process)
+
+        _ENGINE_CLASS = CPUEngine
+    return _ENGINE_CLASS
+
+
+def _prepare() -> bool:
+    """Fix-ups in this process (before SGLang is imported); returns True on a CPU-only machine."""
+    cpu_fixups.apply()
+    return cpu_fixups.cpu_only()
+
+
+def engine(**server_args_kwargs):
+    """A ``sglang.Engine`` with the CPU fix-ups (on a CPU-only machine) and our backend as default.
+
+    Takes ``sglang.Engine``'s keyword arguments (``model_path=...``, ``enable_torch_compile=True``, ...). Raises
+    :class:`UnsupportedArgument` before starting anything for settings our backend cannot serve.
+    """
+    server_args_kwargs.setdefault("attention_backend", BACKEND)
+    check_args(**{k: server_args_kwargs.get(k) for k in
+                  ("attention_backend", "kv_cache_dtype", "speculative_algorithm", "page_size")})
+    cpu = _prepare()
+    if not cpu:
+        from sglang.srt.entrypoints.engine import Engine
+
+        return Engine(**server_args_kwargs)
+    server_args_kwargs.setdefault("device", "cpu")
+    return engine_class()(**server_args_kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run SGLang's HTTP server with ``argv`` (``sglang.launch_server``'s flags) after the fix-ups."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        print("\nAll other flags are sglang.launch_server's: python -m sglang.launch_server --help")
+        return 0
+    try:
+        check_args(**_flag_values(argv))
+    except UnsupportedArgument as e:
+        print(f"compiled-attn serve: {e}", file=sys.stderr)
+        return 2
+    cpu = _prepare()
+    from sglang.launch_server import run_server
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()  # registers --attention-backend compiled_attn before the flags are parsed
+    server_args = prepare_server_args(server_argv(argv, cpu))
+    try:
+        server_args.resolve_once()  # what run_server does first; idempotent
+        cfg = resolving_view(server_args)
+        if cpu and not (cfg.encoder_only or cfg.smg_grpc_mode or cfg.use_ray):
+            # run_server's default (HTTP) branch, with the child-process targets that apply the fix-ups
+            from sglang.srt.entrypoints.http_server import launch_server
+
+            launch_server(server_args, run_scheduler_process_func=cpu_fixups.run_scheduler_process,
+                          run_detokenizer_process_func=cpu_fixups.run_detokenizer_process)
+        else:
+            run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)  # as sglang.launch_server does on exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
