@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from graphs import cdiv
+
 from .decode import merge_blocks
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
 from .metadata import ExtendMetadata
@@ -101,9 +103,9 @@ def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_t
     dev = req_rows.device
     req_rows, kv_lo, kv_len, q_first, q_len, q_offsets = (
         t.detach().to("cpu", torch.int64) for t in (req_rows, kv_lo, kv_len, q_first, q_len, q_offsets))
-    window = None if sliding_window is None or sliding_window == -1 else int(sliding_window)
+    window = sliding_window  # plan_extend normalised it (SGLang's -1 is None there)
     # query tiles, flat over the batch
-    nq = (q_len + tile_q - 1) // tile_q
+    nq = cdiv(q_len, tile_q)
     tile_req = torch.repeat_interleave(torch.arange(q_len.shape[0]), nq)
     tile_idx = torch.arange(tile_req.shape[0]) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
     i0 = tile_idx * tile_q
@@ -283,8 +285,15 @@ def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale:
     """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
     single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
     flash = supports_tile_flash(q, k_cache, v_cache, logit_cap) if cpu_flash is None else cpu_flash
+    index = tile_index(req_to_token, meta, flash, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
+    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash)
+
+
+def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, flash: bool, *, tile_q: int | None = None,
+               tile_k: int = 64, pair_capacity: int | None = None) -> ExtendTileIndex:
+    """Eager, once per step: plan the tiles of a planned batch and build the index its layers share, for the form
+    ``flash`` picks (the CPU flash form needs no mask; ``tile_q`` defaults to the form's ``default_tile_q``)."""
     tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(flash), tile_k=tile_k,
                               pair_capacity=pair_capacity)
-    index = build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
-                                    sliding_window=tiles.sliding_window, with_mask=not flash)
-    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash)
+    return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
+                                   sliding_window=tiles.sliding_window, with_mask=not flash)

@@ -21,13 +21,7 @@ from profiling import range as prange
 
 from ..decode import build_decode_index, decode_blocks
 from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
-from ..extend import (
-    build_extend_tile_index,
-    default_tile_q,
-    extend_tiles,
-    plan_extend_tiles,
-    supports_tile_flash,
-)
+from ..extend import extend_tiles, supports_tile_flash, tile_index
 from ..kv_pool import PAD_SLOT
 from ..metadata import DecodeInputs
 from ..plan import plan_decode, plan_extend
@@ -113,9 +107,7 @@ class EagerBackend(LoopBackend):
             meta = plan_extend(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens, batch.prefix_lens,
                                batch.ext_lens)
             flash = supports_tile_flash(q, k_cache, v_cache, None)
-            tiles = plan_extend_tiles(meta, tile_q=default_tile_q(flash))
-            index = build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
-                                            sliding_window=tiles.sliding_window, with_mask=not flash)
+            index = tile_index(req_to_token, meta, flash)
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):

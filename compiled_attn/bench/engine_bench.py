@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from .report import int_at_least
+
 BACKENDS = {
     "torch_native": dict(attention_backend="torch_native", disable_cuda_graph=True),
     "compiled_attn": dict(attention_backend="compiled_attn", disable_cuda_graph=True),
@@ -56,19 +58,6 @@ def _backends(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _positive(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
-        return v
-
-    return parse
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from ..sglang.make_model import PRESETS
 
@@ -78,13 +67,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--model-path", help="an existing checkpoint directory instead of --model")
     p.add_argument("--backend", type=_backends, default=list(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
     p.add_argument("--batch-size", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
-    p.add_argument("--context", type=_positive(1), default=1024, help="prompt tokens per request (default 1024)")
-    p.add_argument("--decode-steps", type=_positive(2), default=32, help="timed decode steps per batch (default 32)")
-    p.add_argument("--rounds", type=_positive(1), default=3, help="timed rounds (default 3)")
-    p.add_argument("--threads", type=_positive(1), default=2, help="OMP_NUM_THREADS of every engine (default 2)")
-    p.add_argument("--chunked-prefill-size", type=_positive(1), default=4096)
+    p.add_argument("--context", type=int_at_least(1), default=1024, help="prompt tokens per request (default 1024)")
+    p.add_argument("--decode-steps", type=int_at_least(2), default=32, help="timed decode steps per batch (default 32)")
+    p.add_argument("--rounds", type=int_at_least(1), default=3, help="timed rounds (default 3)")
+    p.add_argument("--threads", type=int_at_least(1), default=2, help="OMP_NUM_THREADS of every engine (default 2)")
+    p.add_argument("--chunked-prefill-size", type=int_at_least(1), default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=_positive(1), default=1800, help="seconds an engine may take to start")
+    p.add_argument("--timeout", type=int_at_least(1), default=1800, help="seconds an engine may take to start")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

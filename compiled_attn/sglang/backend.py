@@ -40,14 +40,7 @@ from graphs import cdiv
 
 from ..api import v_is_prefix_of_k
 from ..decode import DecodeIndex, build_decode_index, decode_blocks
-from ..extend import (
-    ExtendTileIndex,
-    build_extend_tile_index,
-    default_tile_q,
-    extend_tiles,
-    plan_extend_tiles,
-    supports_tile_flash,
-)
+from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
 from ..metadata import DecodeInputs
 from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
 
@@ -329,7 +322,7 @@ class CompiledAttnBackend(AttentionBackend):
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
                                encoder_lens=fb.encoder_lens, is_cross_attn=cross)
-            index = state.extend[(*key, flash)] = _tile_index(self.req_to_token, meta, flash)
+            index = state.extend[(*key, flash)] = tile_index(self.req_to_token, meta, flash)
         o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -353,15 +346,8 @@ class CompiledAttnBackend(AttentionBackend):
                            lens_dev, causal=key[2], sliding_window=key[0])
         cap = _logit_cap(layer)
         flash = supports_tile_flash(q3, k3, v3, cap)
-        o = extend_tiles(q3, k3, v3, _tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash)
+        o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-
-def _tile_index(req_to_token: torch.Tensor, meta, flash: bool) -> ExtendTileIndex:
-    """The tiled extend's per-step index of a planned batch (the CPU flash form needs no mask)."""
-    tiles = plan_extend_tiles(meta, tile_q=default_tile_q(flash))
-    return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
-                                   sliding_window=tiles.sliding_window, with_mask=not flash)
 
 
 def _host(cpu_copy, tensor) -> torch.Tensor:
