@@ -17,6 +17,8 @@ import itertools
 
 import torch
 
+from .kv_dtype import dequantize
+
 #: bytes of float32 K per gathered chunk: about half of one core's L2 on the CI machine, leaving room for V
 CHUNK_BYTES = 1 << 20
 
@@ -31,15 +33,39 @@ def supports_block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             and q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1])
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, flat: torch.Tensor, n: int,
-               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V rows of ``flat`` ([n * length] slots) as float32 ``[n, Hkv, length, D]`` views of one gather each (the
-    kernel reads the transposed strides, so nothing is copied twice)."""
+def gather_units(cache: torch.Tensor, units: torch.Tensor, unit: int) -> torch.Tensor:
+    """Rows ``units[i] * unit + j`` (``j < unit``) of ``cache: [S, H, D]`` as ``[len(units) * unit, H, D]``.
+
+    With ``unit`` > 1 (a paged cache: ``unit`` consecutive positions of a request are ``unit`` consecutive slots)
+    one index moves a whole run of slots, ``unit`` times fewer and larger copies than a slot-by-slot gather."""
+    if unit == 1:
+        return cache.index_select(0, units)
+    s, h, d = cache.shape
+    if cache.is_contiguous():
+        return cache[: s - s % unit].view(-1, unit * h * d).index_select(0, units).view(-1, h, d)
+    return cache.index_select(0, (units[:, None] * unit + torch.arange(unit, device=units.device)).reshape(-1))
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor, unit: int, n: int, length: int,
+               dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of ``units`` (``n * length // unit`` runs of ``unit`` slots) as ``[n, Hkv, length, D]`` views of one
+    gather each (the kernel reads the transposed strides, so nothing is copied twice), in ``dtype``: converted
+    and dequantised on the gathered tile only (``kv_dtype``)."""
     hkv, d = k_cache.shape[1], k_cache.shape[2]
-    k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
-    if k_cache.dtype != torch.float32:
-        k, v = k.float(), v.float()
+    k = dequantize(gather_units(k_cache, units, unit), dtype, k_scale)
+    v = dequantize(gather_units(v_cache, units, unit), dtype, v_scale)
     return k.view(n, length, hkv, d).transpose(1, 2), v.view(n, length, hkv, d).transpose(1, 2)
+
+
+def _zero_masked(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+    """Zero the gathered K/V at masked positions of the blocks that have any (k, v: [n, Hkv, length, D] views;
+    valid: [n, length]). Needed when whole runs are gathered (``unit`` > 1): a run's masked positions are slots past
+    the request's end in its last page, never written, and NaN there would survive the additive mask."""
+    part = (~valid).any(1).nonzero().squeeze(1)
+    if part.numel():
+        keep = valid.index_select(0, part)[:, None, :, None]
+        for t in (k, v):
+            t.index_copy_(0, part, t.index_select(0, part).masked_fill_(~keep, 0))
 
 
 def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -48,16 +74,20 @@ def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
 
 
 @torch.library.custom_op("compiled_attn::block_flash", mutates_args=())
-def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                valid: torch.Tensor, scale: float, chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+                valid: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each block's queries over that block's keys.
 
-    q: [nblk, Hkv, group, D] float32 (a block's queries: its request's heads, grouped by KV head)
-    k_cache, v_cache: [num_slots, Hkv, D]; slots: [nblk, block_size] int64; valid: [nblk, block_size] bool.
-    Where ``valid`` is False, ``slots`` must name a slot with finite data (``build_decode_index`` gives the block's
-    own first slot): the -inf mask is added to the scores, and -inf + NaN is NaN.
-    returns o: [nblk, Hkv, group, D] float32 (normalised within the block, zeros for a block with no valid key)
-    and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
+    q: [nblk, Hkv, group, D] in the kernel's dtype (``kv_dtype.compute_dtype``; a block's queries: its request's
+    heads, grouped by KV head); k_cache, v_cache: [num_slots, Hkv, D] (any ``kv_dtype.KV_DTYPES``, dequantised
+    with k_scale/v_scale in the gather); units: [nblk, block_size // unit] int64, the runs of ``unit`` slots each
+    block reads (``unit`` 1: one slot per position); valid: [nblk, block_size] bool.
+    With ``unit`` 1, where ``valid`` is False ``units`` must name a slot with finite data (``build_decode_index``
+    gives the block's own first slot): the -inf mask is added to the scores, and -inf + NaN is NaN; with ``unit``
+    > 1 masked positions are zeroed after the gather.
+    returns o: [nblk, Hkv, group, D] in q's dtype (normalised within the block, zeros for a block with no valid
+    key) and lse: [nblk, Hkv, group] float32, the block's log-sum-exp of scaled scores (0 for a block with no key).
     """
     nblk = q.shape[0]
     q = q.contiguous()  # the ATen kernel reads q through its strides unchecked: a strided head dim gave garbage
@@ -66,24 +96,28 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     # CPU-only), not a device sync, and skipping them makes a compiled bucket cost what its batch needs.
     rows = valid.any(1).nonzero()
     if rows.numel() == 0:  # no key anywhere
-        return q.new_zeros(q.shape, dtype=torch.float32), q.new_zeros(q.shape[:3], dtype=torch.float32)
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
     n_rows = int(rows[-1]) + 1
-    n_cols = int(valid[:n_rows].any(0).nonzero()[-1]) + 1
-    slots, valid = slots[:n_rows, :n_cols], valid[:n_rows, :n_cols]
+    n_units = -(-(int(valid[:n_rows].any(0).nonzero()[-1]) + 1) // unit)
+    n_cols = n_units * unit
+    units, valid = units[:n_rows, :n_units], valid[:n_rows, :n_cols]
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere. None when every key
     # is valid (a single request's exact range, a batch of whole blocks): the kernel is 4-11% faster without one
-    bias = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
+    bias = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
     o_parts, lse_parts = [], []
     # views made once (split), so each iteration is two gathers and one kernel call
     biases = bias.split(chunk_blocks) if bias is not None else itertools.repeat(None)
-    for flat, q_c, bias_c in zip(slots.reshape(-1).split(chunk_blocks * n_cols), q[:n_rows].split(chunk_blocks),
-                                 biases, strict=False):
-        k, v = _gather_kv(k_cache, v_cache, flat, q_c.shape[0], n_cols)
+    for flat, q_c, bias_c, valid_c in zip(units.reshape(-1).split(chunk_blocks * n_units),
+                                          q[:n_rows].split(chunk_blocks), biases, valid.split(chunk_blocks),
+                                          strict=False):
+        k, v = _gather_kv(k_cache, v_cache, flat, unit, q_c.shape[0], n_cols, q.dtype, k_scale, v_scale)
+        if unit > 1 and bias_c is not None:
+            _zero_masked(k, v, valid_c)
         o_c, lse_c = _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
         o_parts.append(o_c)
         lse_parts.append(lse_c)
     if n_rows < nblk:  # the skipped blocks: zeros
-        o_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:]), dtype=torch.float32))
+        o_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:])))
         lse_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:3]), dtype=torch.float32))
     if len(o_parts) == 1:  # one chunk: the kernel's own outputs, no copy
         return o_parts[0].contiguous(), lse_parts[0].contiguous()
@@ -91,30 +125,36 @@ def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
 
 
 @block_flash.register_fake
-def _block_flash_fake(q, k_cache, v_cache, slots, valid, scale, chunk_blocks):
-    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _block_flash_fake(q, k_cache, v_cache, units, valid, scale, chunk_blocks, unit=1, k_scale=1.0, v_scale=1.0):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
-def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """One request's queries over one sequence of slots whose valid positions come first: a decode request's blocks
-    laid end to end (each block is valid up to the request's end; a bucket's unused blocks follow). One gather and
-    one kernel call, no mask: the short path for a batch of one, where ``block_flash``'s set-up was a third of
-    the time at a few hundred tokens.
+def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+                   valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
+    """One request's queries over one sequence of positions whose valid ones are one run: a decode request's
+    blocks laid end to end (valid up to the request's end; a bucket's unused blocks follow; with a paged cache the
+    first block may start before the request's first key, at its page's start). One gather and one kernel call,
+    no mask: the short path for a batch of one, where ``block_flash``'s set-up was a third of the time at a few
+    hundred tokens.
 
-    q: [1, Hkv, group, D] float32; k_cache, v_cache: [num_slots, Hkv, D]; slots: [n] int64; valid: [n] bool
-    returns [1, Hkv, group, D] float32 (zeros when no position is valid).
+    q: [1, Hkv, group, D] in the kernel's dtype; k_cache, v_cache: [num_slots, Hkv, D]; units: [n // unit] int64
+    runs of ``unit`` slots; valid: [n] bool
+    returns [1, Hkv, group, D] in q's dtype (zeros when no position is valid).
     """
     n = int(valid.sum())
     if n == 0:
-        return q.new_zeros(q.shape, dtype=torch.float32)
-    k, v = _gather_kv(k_cache, v_cache, slots[:n], 1, n)
+        return q.new_zeros(q.shape)
+    lead = int(valid.int().argmax())  # the first valid position
+    first, last = lead // unit, -(-(lead + n) // unit)
+    k, v = _gather_kv(k_cache, v_cache, units[first:last], unit, 1, (last - first) * unit, q.dtype, k_scale, v_scale)
+    start = lead - first * unit
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
-    o, _ = _flash_cpu(q.contiguous(), k, v, 0.0, False, scale=scale)
+    o, _ = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
     return o.contiguous()
 
 
 @sequence_flash.register_fake
-def _sequence_flash_fake(q, k_cache, v_cache, slots, valid, scale):
-    return q.new_empty(q.shape, dtype=torch.float32)
+def _sequence_flash_fake(q, k_cache, v_cache, units, valid, scale, unit=1, k_scale=1.0, v_scale=1.0):
+    return q.new_empty(q.shape)

@@ -16,6 +16,7 @@ All functions here are pure tensor code: no ``.item()``, no host sync, no value-
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from .block_flash import (
     sequence_flash,
     supports_block_flash,
 )
+from .kv_dtype import compute_dtype, dequantize
 from .metadata import DecodeInputs
 
 #: a single request is attended in one kernel call (no split, no merge) up to this many L2-sized chunks (16 MiB of
@@ -44,34 +46,65 @@ class DecodeIndex:
     slots:     [num_blocks, block_size] int64, KV slot of each block position; where invalid, the block's first
                slot (a slot its own request owns), and 0 in an unused block
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
+    unit:      positions per gathered run: ``gcd(page_size, block_size)`` (1 for a token-granular cache)
+    units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
     """
 
     block_req: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
+    unit: int = 1
+    units: torch.Tensor | None = None
+
+    @property
+    def runs(self) -> torch.Tensor:
+        """What a gather of ``unit``-slot runs indexes: ``units``, or ``slots`` when ``unit`` is 1."""
+        return self.slots if self.units is None else self.units
 
 
-def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs) -> DecodeIndex:
+def gather_unit(page_size: int, block_size: int) -> int:
+    """Positions per gathered run of consecutive slots: ``gcd(page_size, block_size)`` (1 without pages)."""
+    return 1 if page_size == 1 else math.gcd(page_size, int(block_size))
+
+
+def aligned_kv_lo(kv_lo: torch.Tensor, unit: int) -> torch.Tensor:
+    """Where a request's first block starts: ``kv_lo`` rounded down to a multiple of the gather ``unit`` (each run
+    of ``unit`` positions then lies in one page); the fewer than ``unit`` positions before ``kv_lo`` are masked."""
+    return kv_lo if unit == 1 else kv_lo - kv_lo % unit
+
+
+def decode_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: int, page_size: int = 1
+                         ) -> torch.Tensor:
+    """[bs] blocks each request's range ``[kv_lo, kv_hi)`` takes (its first block starting at a run boundary)."""
+    start = aligned_kv_lo(kv_lo, gather_unit(page_size, block_size))
+    return cdiv((kv_hi - start).clamp_min(0), block_size) * (kv_hi > kv_lo)
+
+
+def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_size: int = 1) -> DecodeIndex:
     """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
 
     req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs``, or a
     captured step's static buffers): the length of ``block_ids`` is the block capacity, of ``block_offsets`` the
-    block size.
+    block size. page_size: the cache's page size (as planned: ``plan_decode(page_size=...)``); with it > 1,
+    ``units`` names runs of ``gcd(page_size, block_size)`` consecutive slots and blocks start at run boundaries.
     """
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
-    lens = (kv_hi - kv_lo).clamp_min(0)
-    blocks_per_req = cdiv(lens, block_size)  # [bs]
+    unit = gather_unit(page_size, block_size)
+    blocks_per_req = decode_blocks_needed(kv_lo, kv_hi, block_size, page_size)  # [bs]
+    kv_start = aligned_kv_lo(kv_lo, unit)
     ends = torch.cumsum(blocks_per_req, 0)  # [bs]
     firsts = ends - blocks_per_req
     # block j belongs to the first request whose end exceeds j; blocks past the total map to row `bs`
     block_req = torch.searchsorted(ends, block_ids, right=True)  # [num_blocks] in [0, bs]
     req = block_req.clamp_max(bs - 1)
     used = block_req < bs
-    start = kv_lo[req] + (block_ids - firsts[req]) * block_size  # [num_blocks]
+    start = kv_start[req] + (block_ids - firsts[req]) * block_size  # [num_blocks]
     pos = start[:, None] + block_offsets[None, :]  # [num_blocks, block_size]
     valid = used[:, None] & (pos < kv_hi[req][:, None])
+    if unit > 1:  # the first block starts at a run boundary: positions before kv_lo are masked
+        valid &= pos >= kv_lo[req][:, None]
     # A masked position gathers its block's first key (inside the request's range for a used block), never a slot
     # no request owns: SGLang writes padded rows' K/V to slot 0 and a fresh pool is uninitialised memory, and a
     # NaN gathered there survives any mask that multiplies or adds (0 * NaN, -inf + NaN). The kernels then only
@@ -79,7 +112,10 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs) -> Deco
     pos = torch.where(valid, pos, torch.where(used, start, 0)[:, None])
     slots = req_to_token[req_rows[req][:, None], pos].to(torch.int64)
     slots = torch.where(used[:, None], slots, 0)
-    return DecodeIndex(block_req=block_req, slots=slots, valid=valid)
+    # a run's first position is valid, or is its block's start (same run as the block's first valid position), so
+    # its slot names the run; runs wholly past the end name the block's first run (read, then zeroed)
+    units = slots[:, ::unit] // unit if unit > 1 else None
+    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units)
 
 
 def decode_blocks(
@@ -92,15 +128,20 @@ def decode_blocks(
     *,
     v_shares_k: bool = False,
     cpu_flash: bool | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
-    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv]
+    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv], in any ``kv_dtype.KV_DTYPES``
+    (float8 included: dequantised in the gather as ``stored * k_scale`` / ``stored * v_scale``, None meaning 1)
     v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
     cpu_flash: per-block attention through ATen's CPU flash kernel (``block_flash``) rather than the matmul form;
         None picks it wherever it applies (CPU, one head size, no soft-cap). The choice follows shapes, dtypes and
         the device, never tensor values.
-    returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32; a row with no keys gives zeros.
+    returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
+    dtype or float8 hands the CPU flash kernel half-precision tiles, which it accumulates in float32); a row with
+    no keys gives zeros.
     """
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -116,7 +157,7 @@ def decode_blocks(
         if not flash_fits:
             raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
                              f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
-        return _decode_flash(q, k_cache, v_cache, index, scale)
+        return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale)
     flat = index.slots.reshape(-1)
     qb = _block_queries(q, index, hkv) * scale
     valid = index.valid[:, None, :]
@@ -125,11 +166,11 @@ def decode_blocks(
     # matmuls read directly, and is 1/Hkv of the batch's K, small enough for the allocator to recycle
     # (a whole-batch gather over 32 MB is mmap'ed and page-faulted afresh each step).
     for h in range(hkv):
-        k = k_cache[:, h].index_select(0, flat).view(nblk, block_size, dqk).float()
-        if v_shares_k:
+        k = dequantize(k_cache[:, h].index_select(0, flat), torch.float32, k_scale).view(nblk, block_size, dqk)
+        if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):  # one latent cache, one scale
             v = k[..., :dv]
         else:
-            v = v_cache[:, h].index_select(0, flat).view(nblk, block_size, dv).float()
+            v = dequantize(v_cache[:, h].index_select(0, flat), torch.float32, v_scale).view(nblk, block_size, dv)
         s = torch.bmm(qb[:, h], k.transpose(1, 2))  # [nblk, group, block_size]
         if logit_cap is not None:
             s = logit_cap * torch.tanh(s / logit_cap)
@@ -145,28 +186,31 @@ def decode_blocks(
     return out.reshape(bs, hq, dv).to(q.dtype)
 
 
-def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int) -> torch.Tensor:
-    """Each block's queries, grouped by KV head: q [bs, Hq, D] -> [nblk, Hkv, Hq // Hkv, D] float32."""
+def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.dtype = torch.float32
+                   ) -> torch.Tensor:
+    """Each block's queries, grouped by KV head: q [bs, Hq, D] -> [nblk, Hkv, Hq // Hkv, D] in ``dtype``."""
     bs, hq, d = q.shape
     req = index.block_req.clamp_max(bs - 1)
-    return q.index_select(0, req).view(-1, hkv, hq // hkv, d).float()
+    return q.index_select(0, req).view(-1, hkv, hq // hkv, d).to(dtype)
 
 
 def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
-                  scale: float) -> torch.Tensor:
+                  scale: float, k_scale: float | None, v_scale: float | None) -> torch.Tensor:
     """``decode_blocks`` through ``block_flash``."""
     bs, hq, d = q.shape
     nblk, block_size = index.slots.shape
     hkv = k_cache.shape[1]
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
+    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
     chunk = chunk_blocks_for(block_size, hkv, d)
     if bs == 1 and nblk <= SINGLE_REQUEST_CHUNKS * chunk:
         # One request needs no split: all its blocks as one sequence, one kernel call, no merge (unused blocks
         # of the bucket are skipped); faster than the split form up to this size (docs/performance.md).
-        o = sequence_flash(q.reshape(1, hkv, hq // hkv, d).float(), k_cache, v_cache, index.slots.view(-1),
-                           index.valid.view(-1), scale)
+        o = sequence_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs.view(-1),
+                           index.valid.view(-1), scale, index.unit, *scales)
         return o.reshape(1, hq, d).to(q.dtype)
-    o, lse = block_flash(_block_queries(q, index, hkv), k_cache, v_cache, index.slots, index.valid, scale,
-                         chunk)
+    o, lse = block_flash(_block_queries(q, index, hkv, dtype), k_cache, v_cache, index.runs, index.valid, scale,
+                         chunk, index.unit, *scales)
     # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
     out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs)
     return out.reshape(bs, hq, d).to(q.dtype)
@@ -185,8 +229,9 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
     """
     rows = num_rows + 1  # the extra row collects unused blocks
-    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path)
-    m, lsum, o = m.contiguous(), lsum.contiguous(), o.contiguous()
+    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path); a
+    # half-precision kernel's block outputs are merged in float32
+    m, lsum, o = m.contiguous(), lsum.contiguous(), o.float().contiguous()
     lowest = torch.finfo(torch.float32).min
     m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
     m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
@@ -198,4 +243,4 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
 
 @merge_blocks.register_fake
 def _merge_blocks_fake(m, lsum, o, block_req, num_rows):
-    return o.new_empty((num_rows, *o.shape[1:]))
+    return o.new_empty((num_rows, *o.shape[1:]), dtype=torch.float32)

@@ -28,6 +28,7 @@ from graphs import cdiv
 
 from .decode import merge_blocks
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
+from .kv_dtype import dequantize
 from .metadata import ExtendMetadata
 
 #: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
@@ -207,9 +208,12 @@ def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs
 
 def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: ExtendTileIndex,
                  scale: float, logit_cap: float | None = None, *, cpu_flash: bool | None = None,
-                 span_keys: int | None = None) -> torch.Tensor:
+                 span_keys: int | None = None, k_scale: float | None = None,
+                 v_scale: float | None = None) -> torch.Tensor:
     """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype.
 
+    The caches may be any ``kv_dtype.KV_DTYPES`` (float8: dequantised in the gather as ``stored * k_scale`` /
+    ``stored * v_scale``, None meaning 1).
     cpu_flash: the CPU flash form; None picks it wherever it applies (CPU, Dv <= Dqk, no soft-cap); the choice
     follows shapes, dtypes and the device, never values. span_keys: keys per CPU kernel call (default about
     ``extend_flash.SPAN_BYTES`` of K).
@@ -227,14 +231,16 @@ def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         span_keys = span_keys_for(hkv, q.shape[2]) if span_keys is None else span_keys
         out = ragged_tile_flash(q, k_cache, v_cache, index.slots, index.q_start, index.q_count, index.k_count,
                                 index.full, index.q_rel, scale, span_keys, index.causal,
-                                -1 if index.sliding_window is None else index.sliding_window)
+                                -1 if index.sliding_window is None else index.sliding_window,
+                                1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
         return out.view(t, hq, dv).to(q.dtype)
     if index.mask is None:
         raise ValueError("the matmul form needs an index built with with_mask=True")
-    return _extend_matmul(q, k_cache, v_cache, index, scale, logit_cap)
+    return _extend_matmul(q, k_cache, v_cache, index, scale, logit_cap, k_scale, v_scale)
 
 
-def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, logit_cap: float | None):
+def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, logit_cap: float | None,
+                   k_scale: float | None = None, v_scale: float | None = None):
     """The matmul form: static chunks of pairs, float32 softmax per pair, merge by log-sum-exp over tokens."""
     t, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -252,8 +258,9 @@ def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, lo
         kv_ok = index.k_valid[s0:s0 + chunk].reshape(-1, 1, 1)
         flat = index.slots[s0:s0 + chunk].reshape(-1)
         # select, never multiply: a zeroed row stays finite whatever the padding slot holds
-        k = torch.where(kv_ok, k_cache.index_select(0, flat).float(), 0.0).view(c, tk, hkv, dqk)
-        v = torch.where(kv_ok, v_cache.index_select(0, flat).float(), 0.0).view(c, tk, hkv, dv)
+        k = torch.where(kv_ok, dequantize(k_cache.index_select(0, flat), torch.float32, k_scale), 0.0)
+        v = torch.where(kv_ok, dequantize(v_cache.index_select(0, flat), torch.float32, v_scale), 0.0)
+        k, v = k.view(c, tk, hkv, dqk), v.view(c, tk, hkv, dv)
         s = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [c, Hkv, group * TQ, TK]
         if logit_cap is not None:
             s = logit_cap * torch.tanh(s / logit_cap)
@@ -281,12 +288,14 @@ def default_tile_q(cpu_flash: bool) -> int:
 
 def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale: float,
                  logit_cap: float | None = None, *, tile_q: int | None = None, tile_k: int = 64,
-                 pair_capacity: int | None = None, cpu_flash: bool | None = None) -> torch.Tensor:
+                 pair_capacity: int | None = None, cpu_flash: bool | None = None, k_scale: float | None = None,
+                 v_scale: float | None = None) -> torch.Tensor:
     """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
     single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
     flash = supports_tile_flash(q, k_cache, v_cache, logit_cap) if cpu_flash is None else cpu_flash
     index = tile_index(req_to_token, meta, flash, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
-    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash)
+    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash, k_scale=k_scale,
+                        v_scale=v_scale)
 
 
 def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, flash: bool, *, tile_q: int | None = None,

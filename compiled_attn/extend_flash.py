@@ -27,6 +27,8 @@ import contextlib
 
 import torch
 
+from .kv_dtype import compute_dtype, dequantize
+
 _aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -93,10 +95,13 @@ def _merge(o_a, lse_a, o_b, lse_b):
 @torch.library.custom_op("compiled_attn::ragged_tile_flash", mutates_args=())
 def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_start: torch.Tensor, q_count: torch.Tensor, k_count: torch.Tensor, full: torch.Tensor,
-                      q_rel: torch.Tensor, scale: float, span_keys: int, causal: bool, window: int) -> torch.Tensor:
+                      q_rel: torch.Tensor, scale: float, span_keys: int, causal: bool, window: int,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Ragged extend attention over the plan's (query tile, key tile) pairs, on CPU.
 
-    q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D
+    q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D, any
+    ``kv_dtype.KV_DTYPES`` (dequantised with k_scale/v_scale in the gather; the kernel computes in
+    ``kv_dtype.compute_dtype``: a bf16/fp16 query over a cache of its dtype or float8 needs no float32 copy)
     slots: [P, TK] int64, a pair's key slots, valid ones first (``k_count`` of them)
     q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (see ``ExtendTilePlan``)
     causal, window: the mask of spans that are not full (window -1: none)
@@ -111,12 +116,13 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     with run_on_threads(1):
         return _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale,
-                                  span_keys, causal, window)
+                                  span_keys, causal, window, k_scale, v_scale)
 
 
 def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
-                       causal, window):
+                       causal, window, k_scale, v_scale):
     t, hq, d = q.shape
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     group = hq // hkv
     # empty, not zeros: a fresh zero fill of a large output was page-faulted every call; rows that no tile
@@ -128,9 +134,8 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
     flat_slots = slots.reshape(-1)
 
     def gather(idx):
-        k, v = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
-        if k.dtype != torch.float32:
-            k, v = k.float(), v.float()
+        k = dequantize(k_cache.index_select(0, idx), dtype, k_scale)
+        v = dequantize(v_cache.index_select(0, idx), dtype, v_scale)
         if dv < d:  # zero columns: the kernel's output gains d - dv columns of zeros, sliced off at the end
             v = torch.nn.functional.pad(v, (0, d - dv))
         n = idx.shape[0]
@@ -161,12 +166,12 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
             # a tile that sees exactly keys [0, n_q) (a request's first tile, no prefix) is the kernel's own causal
             # case (top-left aligned): heads unfolded, the kernel skips the masked half
             k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
-            o, _ = flash(q_tile.permute(1, 0, 2)[None].float(), k, v, 0.0, True, scale=scale)
+            o, _ = flash(q_tile.permute(1, 0, 2)[None].to(dtype), k, v, 0.0, True, scale=scale)
             out[qs[i]:qs[i] + n_q] = o[0, ..., :dv].permute(1, 0, 2).reshape(n_q, hkv, group, dv)
             written[qs[i]:qs[i] + n_q] = True
             continue
         # the group's heads go into the query-sequence dimension: one K/V head serves group * n_q rows
-        folded = q_tile.view(n_q, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n_q, d).float()
+        folded = q_tile.view(n_q, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n_q, d).to(dtype)
         a = i
         while a < j:  # spans of consecutive pairs, at most span_keys keys (at least one pair)
             b, n = a + 1, kc[a]
@@ -181,7 +186,7 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
                 acc = _accumulate(acc, *flash(folded, k, v, 0.0, False, scale=scale))
             else:
                 vis = _visible(rel[a], n_q, n, causal, window).repeat(group, 1)
-                bias = torch.where(vis, 0.0, float("-inf"))[None, None]
+                bias = torch.where(vis, 0.0, float("-inf")).to(dtype)[None, None]
                 o, lse = flash(folded, k, v, 0.0, False, attn_mask=bias, scale=scale)
                 # the kernel gives a row with every key masked lse 0 (o 0); it must weigh nothing in a merge
                 acc = _accumulate(acc, o, torch.where(vis.any(1), lse, float("-inf")))
@@ -206,11 +211,12 @@ def _visible(first: int, n_q: int, n_k: int, causal: bool, window: int) -> torch
 
 
 def _accumulate(acc, o, lse):
+    o = o.float()  # a half-precision kernel's spans are merged in float32
     return (o, lse) if acc is None else _merge(acc[0], acc[1], o, lse)
 
 
 @ragged_tile_flash.register_fake
 def _ragged_tile_flash_fake(q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
-                            causal, window):
+                            causal, window, k_scale=1.0, v_scale=1.0):
     hkv = k_cache.shape[1]
     return q.new_empty((q.shape[0], hkv, q.shape[1] // hkv, v_cache.shape[2]), dtype=torch.float32)

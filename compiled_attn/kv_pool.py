@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from . import validate
+from .kv_dtype import FP8_DTYPES
 
 PAD_SLOT = 0
 PAD_REQ_ROW = 0
 
 
-def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor) -> None:
-    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write).
+def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor, scale: float | None = None) -> None:
+    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write),
+    stored as ``new / scale`` in the cache's dtype (float8 caches: the per-layer scale the readers multiply back).
 
     Padded rows of a bucket write to ``PAD_SLOT``; that is harmless because the slot is never read as real data.
     Outside compiled code and CUDA-graph capture, ``loc`` is checked to lie in ``[0, num_slots)`` (a host read; on
@@ -31,7 +33,10 @@ def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor) -> None:
     """
     if not _in_graph(loc):
         validate.check_slot_values("loc (out_cache_loc)", loc, cache.shape[0])
-    cache.index_copy_(0, loc.to(torch.int64), new.to(cache.dtype))
+    stored = (new if scale is None or scale == 1.0 else new / scale).to(cache.dtype)
+    if cache.dtype in FP8_DTYPES:  # ATen has no float8 index_copy on CPU: write the same bytes as uint8
+        cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+    cache.index_copy_(0, loc.to(torch.int64), stored)
 
 
 def _in_graph(t: torch.Tensor) -> bool:

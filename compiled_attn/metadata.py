@@ -63,12 +63,14 @@ class DecodeMetadata:
     num_real:      real batch size (rows past it are padding)
     blocks_needed: blocks the real batch uses (<= num_blocks)
     slots_checked: plan checked that every req_to_token entry the batch reads is a slot (``check_slots``)
+    page_size:     the cache's page size the blocks were planned for (pass it to ``build_decode_index``)
     """
 
     inputs: DecodeInputs
     num_real: int
     blocks_needed: int
     slots_checked: bool = False
+    page_size: int = 1
 
     @property
     def block_size(self) -> int:

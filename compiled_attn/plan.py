@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from graphs import cdiv
-
 from . import validate
+from .decode import aligned_kv_lo, decode_blocks_needed, gather_unit
 from .metadata import DecodeInputs, DecodeMetadata, ExtendInputs, ExtendMetadata
 
 DEFAULT_BLOCK_SIZE = 64
@@ -74,19 +73,25 @@ def plan_decode(
     block_capacity: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     check_slots: bool = True,
+    page_size: int = 1,
 ) -> DecodeMetadata:
     """Validate a decode batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
     KV blocks of ``block_size`` tokens (defaults: exactly what the batch needs).
 
-    check_slots: check that every req_to_token entry the batch reads is a slot of k_cache (``[0, num_slots)``);
-        a host read of the used table rows, a sync when the table is on CUDA. Turn it off only where the caller
-        guarantees the table (a serving loop that fills it from its own allocator).
+    check_slots: check that every req_to_token entry the batch reads is a slot of k_cache (``[0, num_slots)``)
+        and, with ``page_size`` > 1, that the table keeps the page layout; a host read of the used table rows, a
+        sync when the table is on CUDA. Turn it off only where the caller guarantees the table (a serving loop
+        that fills it from its own allocator).
+    page_size: the cache's page size (SGLang's ``--page-size``): a request's positions ``[k * page_size,
+        (k + 1) * page_size)`` are consecutive slots starting at a multiple of ``page_size``. With it > 1 K/V are
+        gathered in runs of ``gcd(page_size, block_size)`` consecutive slots (blocks start at run boundaries).
 
     q: [bs, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len];
     req_pool_indices, seq_lens (and encoder_lens): [bs]
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("block_size", block_size)
+    validate.check_positive_int("page_size", page_size)
     bs, device = q.shape[0], q.device
     rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
     lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
@@ -98,9 +103,12 @@ def plan_decode(
     lo, hi = decode_kv_range(lens, enc, sliding_window, is_cross_attn)
     validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
                           "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
+    # the first block starts at a run boundary: the few positions it reads before lo are checked too
+    start = aligned_kv_lo(lo, gather_unit(page_size, block_size))
     if check_slots:
-        validate.check_slots(req_to_token, rows, lo, hi, k_cache.shape[0])
-    needed = int(cdiv(hi - lo, block_size).sum()) if bs else 0
+        validate.check_slots(req_to_token, rows, start, hi, k_cache.shape[0])
+        validate.check_page_layout(req_to_token, rows, start, hi, page_size)
+    needed = int(decode_blocks_needed(lo, hi, block_size, page_size).sum()) if bs else 0
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
     inputs = DecodeInputs(
@@ -110,7 +118,7 @@ def plan_decode(
         block_ids=torch.arange(nblk, device=device),
         block_offsets=torch.arange(block_size, device=device),
     )
-    return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots)
+    return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
 
 
 def plan_extend(
@@ -129,15 +137,18 @@ def plan_extend(
     is_cross_attn: bool = False,
     batch_capacity: int | None = None,
     check_slots: bool = True,
+    page_size: int = 1,
 ) -> ExtendMetadata:
     """Validate an extend (prefill) batch and build its metadata (per-request ranges, padded to ``batch_capacity``
     rows; ``extend.plan_extend_tiles`` cuts it into tiles).
 
     q: [num_tokens, Hq, Dqk] packed in request order; request i's queries are positions
     ``[extend_prefix_lens[i], seq_lens[i])`` of its self-attention range.
-    check_slots: as in ``plan_decode``.
+    check_slots, page_size: as in ``plan_decode`` (the tiles gather token by token: extend is bound by compute,
+    not by the gather, so a page size only adds the layout check).
     """
     validate.check_qkv(q, k_cache, v_cache)
+    validate.check_positive_int("page_size", page_size)
     device = q.device
     validate.check_tensor("seq_lens", seq_lens, 1, validate.INDEX_DTYPES, device)
     bs = seq_lens.shape[0]
@@ -170,6 +181,7 @@ def plan_extend(
         lo, kv_len, q_first = enc + skip, lens - skip, prefix - skip
     if check_slots:
         validate.check_slots(req_to_token, rows, lo, lo + kv_len, k_cache.shape[0])
+        validate.check_page_layout(req_to_token, rows, lo, lo + kv_len, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     offsets = torch.cumsum(ext, 0) - ext
     inputs = ExtendInputs(

@@ -9,6 +9,8 @@ import numbers
 
 import torch
 
+from .kv_dtype import KV_DTYPES
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -28,12 +30,13 @@ def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | 
 
 
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Check ``q: [n, Hq, Dqk]``, ``k_cache: [S, Hkv, Dqk]``, ``v_cache: [S, Hkv, Dv]``; return (Hq, Hkv, Dqk, Dv)."""
+    """Check ``q: [n, Hq, Dqk]`` (float32/bf16/fp16), ``k_cache: [S, Hkv, Dqk]``, ``v_cache: [S, Hkv, Dv]`` (one
+    dtype of ``kv_dtype.KV_DTYPES``, float8 included); return (Hq, Hkv, Dqk, Dv)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 3, FLOAT_DTYPES, q.device)
-    check_tensor("v_cache", v_cache, 3, FLOAT_DTYPES, q.device)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_tensor("k_cache", k_cache, 3, KV_DTYPES, q.device)
+    check_tensor("v_cache", v_cache, 3, KV_DTYPES, q.device)
+    if k_cache.dtype != v_cache.dtype:  # the query may differ (a float8 cache, a float32 query over a bf16 cache)
+        raise TypeError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     hq, dqk = q.shape[1], q.shape[2]
     slots, hkv, dk = k_cache.shape
     if hq < 1 or dqk < 1 or v_cache.shape[2] < 1:
@@ -130,6 +133,30 @@ def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor
         raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} is not a KV slot: slots a batch "
                          f"reads must lie in [0, {num_slots}) (num_slots of k_cache); {int(bad.sum())} such "
                          f"entries")
+
+
+def check_page_layout(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                      page_size: int) -> None:
+    """A paged table: positions ``[lo[i], hi[i])`` of row ``rows[i]`` sit in pages of ``page_size`` consecutive
+    slots starting at a multiple of ``page_size``, position ``p`` at offset ``p % page_size`` of its page (SGLang's
+    paged allocator). The page gathers read whole runs of slots, so a table that breaks this would read other
+    requests' keys. rows, lo, hi: [bs] int64 on the host; a host read of the used table rows, as ``check_slots``."""
+    if page_size == 1 or rows.numel() == 0 or int(hi.max()) <= 0:
+        return
+    width = int(hi.max())
+    used = req_to_token[rows.to(req_to_token.device), :width].cpu().to(torch.int64)  # [bs, width]
+    pos = torch.arange(width)
+    read = (pos >= lo[:, None]) & (pos < hi[:, None])
+    bad = used % page_size != pos % page_size  # at its offset in a page
+    # and the next position of the same page is the next slot
+    same_page = read[:, 1:] & read[:, :-1] & (pos[1:] % page_size != 0)
+    bad[:, 1:] |= same_page & (used[:, 1:] - used[:, :-1] != 1)
+    bad &= read
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} breaks the page layout of "
+                         f"page_size={page_size}: position {j} must be slot page_start + {j % page_size} of a page "
+                         f"of {page_size} consecutive slots starting at a multiple of {page_size}")
 
 
 def check_slot_values(name: str, loc: torch.Tensor, num_slots: int) -> None:

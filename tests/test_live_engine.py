@@ -286,8 +286,8 @@ def test_http_round_trip(models, jobs):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype"),
-    (["--kv-cache-dtype=fp8_e5m2"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype=int8"], "--kv-cache-dtype"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
     (["--page-size", "0"], "--page-size"),
 ])

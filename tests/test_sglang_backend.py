@@ -288,14 +288,14 @@ def _view(fb):
                            encoder_lens=None, out_cache_loc=fb.out_cache_loc, positions=fb.positions)
 
 
-def _graph_vs_plain(geom, hook, windows=(-1,), lens=(5, 9, 3, 70), max_bs=8):
+def _graph_vs_plain(geom, hook, windows=(-1,), lens=(5, 9, 3, 70), max_bs=8, page_size=1):
     """Real rows of a batch padded to max_bs through the graph metadata == the unpadded batch, plain path."""
     g = H.GEOMETRIES[geom]
     layers = [H.make_layer(g, i, w) for i, w in enumerate(windows)]
     ids = tuple(range(len(windows)))
-    plain_mr = H.make_model_runner(g, num_layers=len(ids), seed=11)
+    plain_mr = H.make_model_runner(g, num_layers=len(ids), seed=11, page_size=page_size)
     plain = _run(CompiledAttnBackend(plain_mr), H.make_decode_batch(plain_mr, list(lens), layer_ids=ids), layers)
-    mr = H.make_model_runner(g, num_layers=len(ids), seed=11)
+    mr = H.make_model_runner(g, num_layers=len(ids), seed=11, page_size=page_size)
     backend = CompiledAttnBackend(mr)
     backend.init_cuda_graph_state(max_bs, max_bs)
     fill = backend.get_cuda_graph_seq_len_fill_value()
@@ -324,6 +324,12 @@ def _graph_vs_plain(geom, hook, windows=(-1,), lens=(5, 9, 3, 70), max_bs=8):
 @pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
 def test_graph_metadata_matches_plain_path(geom, hook):
     _graph_vs_plain(geom, hook)
+
+
+@pytest.mark.parametrize("hook", ["cuda", "cpu"])
+def test_graph_metadata_with_pages_and_windows(hook):
+    """Page size 16 and a window whose start is not page-aligned (its first block starts at its run)."""
+    _graph_vs_plain("gqa", hook, windows=(-1, 20), lens=(5, 90, 33, 70), page_size=16)
 
 
 def test_graph_learns_layer_configurations():
@@ -403,3 +409,56 @@ def test_forward_decode_compiles_fullgraph_without_recompiles(geom):
                 ref = backend.forward_decode(batch.q, k, v, layer, fb)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     assert len(compiles) == 1
+
+
+@pytest.mark.parametrize("mode", ["prefix", "decode"])
+@pytest.mark.parametrize("geom", GEOMS)
+def test_paged_pool_matches_torch_native(geom, mode):
+    """SGLang's --page-size 16: whole pages per request, gathered as runs of slots."""
+    _compare(geom, mode, page_size=16)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("mode", ["prefix", "decode"])
+@pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
+def test_fp8_pool_matches_torch_native(geom, mode, kv_dtype):
+    """--kv-cache-dtype fp8_e4m3 / fp8_e5m2 (no scales in the checkpoint: torch_native casts the stored values,
+    ours dequantises with scale 1), bf16 model."""
+    _compare(geom, mode, torch.bfloat16, kv_dtype=kv_dtype, page_size=16 if mode == "decode" else 1)
+
+
+def test_fp8_pool_with_layer_scales():
+    """A layer with k_scale/v_scale: K/V are stored divided by them and read back multiplied; the output matches
+    the float64 reference over the dequantised pool."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, seed=4)
+    batch = _batch(mr, "prefix")
+    layer = H.make_layer(g, 0)
+    layer.k_scale, layer.v_scale = torch.tensor(0.25), torch.tensor(2.0)
+    layer.k_scale_float, layer.v_scale_float = 0.25, 2.0
+    ld = batch.layers[0]
+    out, pool = H.run_sglang_layer(CompiledAttnBackend(mr), layer, batch.forward_batch, ld.q, ld.k, ld.v)
+    n = batch.num_real_tokens
+    stored_k = pool.get_key_buffer(0)[batch.out_cache_loc[:n]].double() * 0.25
+    torch.testing.assert_close(stored_k, ld.k[:n].double().view_as(stored_k), atol=0.5, rtol=0.07)
+    ref = []
+    for i in range(batch.num_real_reqs):
+        start, cnt = int(batch.extend_seq_lens[:i].sum()), int(batch.extend_seq_lens[i])
+        slots = batch.req_to_token[int(batch.req_pool_indices[i]), :int(batch.seq_lens[i])].long()
+        k = pool.get_key_buffer(0)[slots].double() * 0.25
+        v = pool.get_value_buffer(0)[slots].double() * 2.0
+        q = ld.q[start:start + cnt].view(cnt, g.num_heads, g.head_dim).double()
+        k, v = k.repeat_interleave(g.group_size, 1), v.repeat_interleave(g.group_size, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * g.sm_scale
+        qpos = torch.arange(k.shape[0] - cnt, k.shape[0])[:, None]
+        s = s.masked_fill(torch.arange(k.shape[0])[None] > qpos, float("-inf"))
+        ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(cnt, -1))
+    torch.testing.assert_close(out[:n].double(), torch.cat(ref), atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_kv_dtype_fails_at_construction():
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g)
+    mr.token_to_kv_pool.dtype = torch.int8
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        CompiledAttnBackend(mr)

@@ -24,6 +24,25 @@ def assign_requests(req_to_token: torch.Tensor, num_slots: int, lens: list[int],
     return rows
 
 
+def assign_paged_requests(req_to_token: torch.Tensor, num_slots: int, lens: list[int], page_size: int,
+                          generator: torch.Generator) -> torch.Tensor:
+    """As ``assign_requests``, in SGLang's paged layout: each request gets ``ceil(len / page_size)`` random distinct
+    pages of ``page_size`` consecutive slots (page 0, holding the padding slot 0, is never handed out); position
+    ``p`` sits at slot ``page * page_size + p % page_size``. Returns the rows."""
+    bs = len(lens)
+    rows = torch.randperm(req_to_token.shape[0] - 1, generator=generator)[:bs] + 1
+    pages_per_req = [-(-n // page_size) for n in lens]
+    pages = torch.randperm(num_slots // page_size - 1, generator=generator)[: sum(pages_per_req)] + 1
+    rows = rows.to(req_to_token.device)
+    req_to_token[rows] = 0
+    used = 0
+    for r, n, k in zip(rows.tolist(), lens, pages_per_req, strict=False):
+        slots = (pages[used:used + k, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        req_to_token[r, :n] = slots.to(torch.int32).to(req_to_token.device)
+        used += k
+    return rows
+
+
 @dataclass
 class PagedBatch:
     """q: [num_tokens, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (a view of k_cache
@@ -42,8 +61,9 @@ class PagedBatch:
 
 
 def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=False, dtype=torch.float32,
-               encoder_lens=None, width=None, seed=0, decode=False) -> PagedBatch:
-    """Build caches holding each request's tokens at random slots and random rows.
+               encoder_lens=None, width=None, seed=0, decode=False, page_size=1, kv_dtype=None) -> PagedBatch:
+    """Build caches holding each request's tokens at random slots and random rows (with ``page_size`` > 1: random
+    pages, ``assign_paged_requests``). ``kv_dtype``: the caches' dtype (default ``dtype``, the query's).
 
     With ``mla`` the V cache is a view of the first ``dv`` columns of the K (latent) cache. With ``decode`` each
     request has one query (its last position). ``encoder_lens`` tokens are stored before each decoder's tokens.
@@ -57,12 +77,20 @@ def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=
            else torch.zeros(bs, dtype=torch.int64))
     total = enc + seq
     width = width or int(total.max()) + 3 if bs else 4
-    num_slots = int(total.sum()) + 7
+    kv_dtype = kv_dtype or dtype
+    if page_size > 1:
+        width = -(-width // page_size) * page_size
+        num_slots = (sum(-(-int(n) // page_size) for n in total) + 3) * page_size
+    else:
+        num_slots = int(total.sum()) + 7
     dv = dv or dqk
-    k_cache = torch.randn(num_slots, hkv, dqk, generator=g).to(dtype)
-    v_cache = k_cache[..., :dv] if mla else torch.randn(num_slots, hkv, dv, generator=g).to(dtype)
+    k_cache = torch.randn(num_slots, hkv, dqk, generator=g).to(kv_dtype)
+    v_cache = k_cache[..., :dv] if mla else torch.randn(num_slots, hkv, dv, generator=g).to(kv_dtype)
     table = torch.zeros(bs + 4, width, dtype=torch.int32)
-    rows = assign_requests(table, num_slots, total.tolist(), g)
+    if page_size > 1:
+        rows = assign_paged_requests(table, num_slots, total.tolist(), page_size, g)
+    else:
+        rows = assign_requests(table, num_slots, total.tolist(), g)
     q = torch.randn(int(ext.sum()), hq, dqk, generator=g).to(dtype)
     return PagedBatch(q, k_cache, v_cache, table, rows, seq, prefix, ext,
                       enc if encoder_lens is not None else None)

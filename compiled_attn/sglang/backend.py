@@ -36,13 +36,21 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from graphs import cdiv
-
 from ..api import v_is_prefix_of_k
-from ..decode import DecodeIndex, build_decode_index, decode_blocks
+from ..decode import DecodeIndex, build_decode_index, decode_blocks, decode_blocks_needed
 from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
+from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
 from ..metadata import DecodeInputs
-from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, normalize_window, plan_decode, plan_extend
+from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
+from .backend_util import (
+    GraphState,
+    check_kwargs,
+    check_mode,
+    graph_block_capacity,
+    host_int64,
+    layer_logit_cap,
+    layer_window,
+)
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
@@ -50,38 +58,6 @@ SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), fi
 # (sliding window or None, is cross-attention); extend adds causal (and its index key, the CPU flash form)
 DecodeKey = tuple[int | None, bool]
 ExtendKey = tuple[int | None, bool, bool]
-
-
-def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int) -> int:
-    """KV blocks a decode graph of ``bs`` rows computes over (see the module docstring)."""
-    return max(1, min(bs * cdiv(max_context_len, block_size), cdiv(kv_tokens, block_size) + bs))
-
-
-def _window(layer) -> int | None:
-    return normalize_window(getattr(layer, "sliding_window_size", -1))
-
-
-def _logit_cap(layer) -> float | None:
-    cap = getattr(layer, "logit_cap", 0.0) or 0.0
-    if cap <= 0:
-        return None
-    method = getattr(layer, "logit_capping_method", "tanh")
-    if method != "tanh":
-        raise NotImplementedError(f"compiled_attn: logit_capping_method={method!r} is not supported (only 'tanh')")
-    return float(cap)
-
-
-@dataclass
-class _GraphState:
-    """Static buffers shared by every captured batch size (allocated by ``init_cuda_graph_state``)."""
-
-    max_bs: int
-    kv_tokens: int
-    req_rows: torch.Tensor  # [max_bs] int64
-    kv_lo: torch.Tensor  # [max_bs] int64
-    kv_hi: torch.Tensor  # [max_bs] int64
-    block_ids: torch.Tensor  # [capacity(max_bs)] int64 arange; a graph of bs rows reads [:capacity(bs)]
-    block_offsets: torch.Tensor  # [block_size] int64 arange
 
 
 @dataclass
@@ -114,9 +90,17 @@ class CompiledAttnBackend(AttentionBackend):
             raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool) are not supported "
                                       "yet; use --attention-backend triton or torch_native for this model")
         self.block_size = block_size
+        # SGLang's --page-size: a request's pages are runs of consecutive slots, gathered as runs
+        self.page_size = int(getattr(self.token_to_kv_pool, "page_size", 1) or 1)
+        kv_dtype = getattr(self.token_to_kv_pool, "dtype", None)
+        if isinstance(kv_dtype, torch.dtype) and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"compiled_attn: KV cache dtype {kv_dtype} (--kv-cache-dtype) is not supported; it "
+                             f"reads {', '.join(str(d).replace('torch.', '') for d in KV_DTYPES)}")
+        self.fp8_kv = kv_dtype in FP8_DTYPES
+        self._scales: dict[int, tuple[float | None, float | None]] = {}  # layer id -> (k_scale, v_scale)
         self.forward_metadata: _ForwardState | None = None
         self.decode_keys: dict[DecodeKey, None] = {(None, False): None}  # layer configurations seen (ordered set)
-        self.graph: _GraphState | None = None
+        self.graph: GraphState | None = None
         self._warned_fallback = False
         pool = self.token_to_kv_pool
         layer0 = getattr(pool, "start_layer", 0) or 0
@@ -139,7 +123,7 @@ class CompiledAttnBackend(AttentionBackend):
         if mode.is_idle():
             self.forward_metadata = None
             return
-        _check_mode(mode)
+        check_mode(mode)
         if mode.is_decode() and self._fits_graph(forward_batch):
             # graph-shaped metadata: what CPUGraphRunner's compiled forward was traced with (no recompile)
             self.init_forward_metadata_in_graph(forward_batch)
@@ -181,7 +165,7 @@ class CompiledAttnBackend(AttentionBackend):
         def z():
             return torch.zeros(max_bs, dtype=torch.int64, device=self.device)
 
-        self.graph = _GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
+        self.graph = GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
                                  torch.arange(self.block_size, device=self.device))
 
     init_cpu_graph_state = init_cuda_graph_state
@@ -189,7 +173,7 @@ class CompiledAttnBackend(AttentionBackend):
     def graph_block_capacity(self, bs: int, kv_tokens: int | None = None) -> int:
         kv_tokens = kv_tokens if kv_tokens is not None else self.graph.kv_tokens
         return graph_block_capacity(bs, max_context_len=self.req_to_token.shape[1], kv_tokens=kv_tokens,
-                                    block_size=self.block_size)
+                                    block_size=self.block_size, page_size=self.page_size)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return SEQ_LEN_FILL_VALUE
@@ -211,23 +195,21 @@ class CompiledAttnBackend(AttentionBackend):
         bs = getattr(forward_batch, "batch_size", None) or forward_batch.seq_lens.shape[0]
         if bs > g.max_bs:
             raise ValueError(f"compiled_attn: batch size {bs} exceeds the graph buffers' max_bs={g.max_bs}")
-        lens = _host(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
+        lens = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
         enc = getattr(forward_batch, "encoder_lens", None)
-        enc = _host(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
+        enc = host_int64(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
         width, cap = self.req_to_token.shape[1], self.graph_block_capacity(bs)
         hi = lens if enc is None else lens + enc
         if hi.numel() and int(hi.max()) > width:
             raise ValueError(f"compiled_attn: a request reaches position {int(hi.max())}, beyond the "
                              f"req_to_token width {width} (max_context_len)")
         for window, cross in self.decode_keys:
-            if cross:
-                n = enc if enc is not None else torch.zeros_like(lens)
-            else:
-                n = lens if window is None else lens.clamp_max(window + 1)
-            needed = int(cdiv(n, self.block_size).sum())
+            lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
+            needed = int(decode_blocks_needed(lo, hi, self.block_size, self.page_size).sum())
             if needed > cap:
                 raise ValueError(
-                    f"compiled_attn: this decode batch (bs={bs}, {int(n.sum())} KV tokens) needs {needed} KV blocks "
+                    f"compiled_attn: this decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens) needs {needed} "
+                    f"KV blocks "
                     f"of {self.block_size}, more than the {cap} a graph of this batch size was captured with "
                     f"(requests sharing a cached prefix count it once each). Raise {GRAPH_KV_TOKENS_ENV} "
                     f"(now {g.kv_tokens} tokens) or lower --cuda-graph-max-bs")
@@ -268,18 +250,33 @@ class CompiledAttnBackend(AttentionBackend):
         g.kv_hi[:bs].copy_(hi)
         inputs = DecodeInputs(g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs], g.block_ids[: self.graph_block_capacity(bs)],
                               g.block_offsets)
-        return build_decode_index(self.req_to_token, inputs)
+        return build_decode_index(self.req_to_token, inputs, self.page_size)
 
     # ------------------------------------------------------------------ forward
+
+    def _layer_scales(self, layer) -> tuple[float | None, float | None]:
+        """The layer's float8 dequantisation scales as Python floats (read once per layer; None: 1)."""
+        if not self.fp8_kv:
+            return None, None
+        scales = self._scales.get(layer.layer_id)
+        if scales is None:
+            scales = self._scales[layer.layer_id] = tuple(
+                scale_value(getattr(layer, f"{n}_scale_float", None) or getattr(layer, f"{n}_scale", None))
+                for n in ("k", "v"))
+        return scales
 
     def _write_kv(self, layer, forward_batch, k, v, save_kv_cache):
         if save_kv_cache and k is not None and v is not None:
             loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
+            k_scale, v_scale = self._layer_scales(layer)
+            # a float8 cache stores value / scale (the readers multiply it back); divided here, not in place
+            k = k if k_scale is None else k / k_scale
+            v = v if v_scale is None else v / v_scale
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
 
     def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
         """Shared by decode and extend: check extras, write the new K/V, view q, fetch this layer's caches."""
-        _check_kwargs(kwargs)
+        check_kwargs(kwargs)
         self._write_kv(layer, forward_batch, k, v, save_kv_cache)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -288,7 +285,7 @@ class CompiledAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        key = (None if cross else _window(layer), cross)
+        key = (None if cross else layer_window(layer), cross)
         state = self._state_for(forward_batch, decode=True)
         index = state.decode.get(key)
         if index is None:
@@ -299,42 +296,46 @@ class CompiledAttnBackend(AttentionBackend):
                 meta = plan_decode(q3, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                    forward_batch.seq_lens, sliding_window=key[0],
                                    encoder_lens=forward_batch.encoder_lens, is_cross_attn=cross,
-                                   block_size=self.block_size)
-                index = build_decode_index(self.req_to_token, meta.inputs)
+                                   block_size=self.block_size, page_size=self.page_size)
+                index = build_decode_index(self.req_to_token, meta.inputs, self.page_size)
             state.decode[key] = index
-        o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, _logit_cap(layer), v_shares_k=self.v_shares_k)
+        k_scale, v_scale = self._layer_scales(layer)
+        o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
+                          v_shares_k=self.v_shares_k, k_scale=k_scale, v_scale=v_scale)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
-        key = (_window(layer) if causal else None, cross, causal)
+        key = (layer_window(layer) if causal else None, cross, causal)
         fb = forward_batch
         if k_cache.shape[1:] != (layer.tp_k_head_num, layer.qk_head_dim):
             # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
             # save_kv_cache=False): attend over the batch's own K/V
             return self._extend_over_given_kv(q3, k, v, layer, fb, key)
-        cap = _logit_cap(layer)
+        cap = layer_logit_cap(layer)
         flash = supports_tile_flash(q3, k_cache, v_cache, cap)
         state = self._state_for(fb, decode=False)
         index = state.extend.get((*key, flash))
         if index is None:
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
-                               encoder_lens=fb.encoder_lens, is_cross_attn=cross)
+                               encoder_lens=fb.encoder_lens, is_cross_attn=cross, page_size=self.page_size)
             index = state.extend[(*key, flash)] = tile_index(self.req_to_token, meta, flash)
-        o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash)
+        k_scale, v_scale = self._layer_scales(layer)
+        o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
+                         v_scale=v_scale)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _extend_over_given_kv(self, q3, k, v, layer, fb, key):
         if k is None or v is None or key[1]:
             raise NotImplementedError(f"compiled_attn: layer {layer.layer_id}'s K shape "
                                       f"({layer.tp_k_head_num}, {layer.qk_head_dim}) does not match the KV pool")
-        prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None), fb.extend_prefix_lens)
+        prefix = host_int64(getattr(fb, "extend_prefix_lens_cpu", None), fb.extend_prefix_lens)
         if prefix.numel() and int(prefix.max()) > 0:
             raise NotImplementedError("compiled_attn: extend with a cached prefix over K/V that is not in the pool "
                                       "(MLA chunked-prefix MHA) is not supported yet")
-        lens = _host(getattr(fb, "extend_seq_lens_cpu", None), fb.extend_seq_lens)
+        lens = host_int64(getattr(fb, "extend_seq_lens_cpu", None), fb.extend_seq_lens)
         bs, width = lens.shape[0], max(int(lens.max()), 1) if lens.numel() else 1
         starts = torch.cumsum(lens, 0) - lens
         # a request-to-token table over the batch's packed tokens: request b's position j is token starts[b] + j
@@ -344,27 +345,7 @@ class CompiledAttnBackend(AttentionBackend):
         v3 = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
         meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
                            lens_dev, causal=key[2], sliding_window=key[0])
-        cap = _logit_cap(layer)
+        cap = layer_logit_cap(layer)
         flash = supports_tile_flash(q3, k3, v3, cap)
         o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-
-def _host(cpu_copy, tensor) -> torch.Tensor:
-    t = cpu_copy if cpu_copy is not None else tensor
-    if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
-    return t.detach().to("cpu", torch.int64)
-
-
-def _check_mode(mode) -> None:
-    name = getattr(mode, "name", str(mode))
-    if name in ("TARGET_VERIFY", "DRAFT_EXTEND_V2", "DLLM_EXTEND"):
-        raise NotImplementedError(f"compiled_attn: forward mode {name} (speculative decoding / dLLM) is not "
-                                  "supported yet")
-
-
-def _check_kwargs(kwargs) -> None:
-    extra = sorted(name for name, value in kwargs.items() if value is not None)
-    if extra:
-        raise NotImplementedError(f"compiled_attn: attention arguments {extra} are not supported")

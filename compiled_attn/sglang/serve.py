@@ -20,8 +20,8 @@ import sys
 from . import cpu_fixups
 
 BACKEND = "compiled_attn"
-# KV-cache dtypes the backend reads (its functions take float32/bfloat16/float16; "auto" = the model's dtype).
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+# KV-cache dtypes the backend reads ("auto" = the model's dtype; fp8 caches are dequantised in the gather).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
 class UnsupportedArgument(ValueError):
@@ -39,7 +39,7 @@ def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str |
     if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise UnsupportedArgument(
             f"--kv-cache-dtype {kv_cache_dtype}: not supported by --attention-backend {BACKEND} (it reads "
-            f"float32/bfloat16/float16 caches); use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+            f"float32/bfloat16/float16 and float8 caches); use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
     if speculative_algorithm:
         raise UnsupportedArgument(f"--speculative-algorithm {speculative_algorithm}: speculative decoding is not "
                                   f"supported by --attention-backend {BACKEND}")

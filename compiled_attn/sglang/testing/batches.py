@@ -2,7 +2,7 @@
 
 Layout conventions, as in SGLang:
   * ``req_to_token``: ``[max_num_reqs + 1, max_context_len]`` int32; row 0 is the padding row.
-  * KV pool rows: ``size + page_size`` (page_size 1 here); slot 0 is the padding slot.
+  * KV pool rows: ``size + page_size``; slot 0 (page 0) is the padding slot.
   * q: ``[num_tokens, num_heads * head_dim]``; k: ``[num_tokens, num_kv_heads * head_dim]``;
     v: ``[num_tokens, num_kv_heads * v_head_dim]`` (flattened, as models pass them;
     ``RadixAttention.forward`` views k/v as 3-D, the backend views q).
@@ -121,6 +121,16 @@ def read_kv(model_runner, layer_id: int, loc: torch.Tensor):
     return pool.get_key_buffer(layer_id)[loc], pool.get_value_buffer(layer_id)[loc]
 
 
+def _alloc_slots(model_runner, n: int) -> list[int]:
+    """``n`` KV slots for one request: scattered slots, or (paged pool) scattered whole pages, position ``p`` at
+    offset ``p % page_size`` of its page, as SGLang's paged allocator lays them out."""
+    page = model_runner.page_size
+    if page == 1:
+        return model_runner.slot_allocator.alloc(n).tolist()
+    pages = model_runner.page_allocator.alloc(-(-n // page))
+    return (pages[:, None] * page + torch.arange(page)).reshape(-1)[:n].tolist()
+
+
 def _build(
     model_runner,
     mode: str,
@@ -145,7 +155,7 @@ def _build(
     out_cache_loc_l: list[int] = []
     prefix_locs = []
     for i in range(bs):
-        slots = model_runner.slot_allocator.alloc(seq_lens_l[i]).tolist()
+        slots = _alloc_slots(model_runner, seq_lens_l[i])
         req_to_token[rows[i], : seq_lens_l[i]] = torch.tensor(slots, dtype=torch.int32)
         prefix_locs.append(torch.tensor(slots[: prefix_lens[i]], dtype=torch.int64))
         out_cache_loc_l += slots[prefix_lens[i] :]

@@ -105,8 +105,13 @@ def make_model_runner(
     device: str = "cpu",
     sliding_window_size: int | None = None,
     seed: int = 0,
+    page_size: int = 1,
+    kv_dtype: torch.dtype | None = None,
 ) -> SimpleNamespace:
     """A ``ModelRunner`` stand-in with the pools and the attributes attention backends read.
+
+    ``page_size`` > 1: SGLang's paged pool; the batch builders then hand out whole pages (``page_allocator``).
+    ``kv_dtype``: the pools' dtype (``--kv-cache-dtype``; e.g. float8, stored as uint8 by SGLang); default ``dtype``.
 
     ``TorchNativeAttnBackend.__init__`` reads only ``device``, ``req_to_token_pool`` and
     ``token_to_kv_pool``; the rest mirrors what other 0.5.23 backends read (triton,
@@ -115,18 +120,19 @@ def make_model_runner(
     """
     sg = import_sglang()
     gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
     req_to_token_pool = sg.ReqToTokenPool(
         size=max_num_reqs, max_context_len=max_context_len, device=device, enable_memory_saver=False
     )
     if geom.mla:
         token_to_kv_pool = sg.MLATokenToKVPool(
-            size=pool_size, page_size=1, dtype=dtype, kv_lora_rank=geom.kv_lora_rank,
+            size=pool_size, page_size=page_size, dtype=kv_dtype, kv_lora_rank=geom.kv_lora_rank,
             qk_rope_head_dim=geom.qk_rope_head_dim, layer_num=num_layers, device=device,
             enable_memory_saver=False,
         )
     else:
         token_to_kv_pool = sg.MHATokenToKVPool(
-            size=pool_size, page_size=1, dtype=dtype, head_num=geom.num_kv_heads,
+            size=pool_size, page_size=page_size, dtype=kv_dtype, head_num=geom.num_kv_heads,
             head_dim=geom.head_dim, layer_num=num_layers, device=device,
             enable_memory_saver=False, v_head_dim=geom.v_head_dim,
         )
@@ -152,7 +158,7 @@ def make_model_runner(
         attention_backend="torch_native",
         prefill_attention_backend=None,
         decode_attention_backend=None,
-        page_size=1,
+        page_size=page_size,
         kv_cache_dtype="auto",
         device=device,
         enable_torch_compile=False,
@@ -165,8 +171,8 @@ def make_model_runner(
         gpu_id=0,
         tp_size=1,
         dtype=dtype,
-        kv_cache_dtype=dtype,
-        page_size=1,
+        kv_cache_dtype=kv_dtype,
+        page_size=page_size,
         use_mla_backend=geom.mla,
         is_draft_worker=False,
         sliding_window_size=sliding_window_size,
@@ -181,6 +187,7 @@ def make_model_runner(
         # scattered, shuffled rows and slots (0 never handed out): the project's own allocator, seeded from gen
         req_allocator=SlotAllocator(max_num_reqs + 1, seed=_seed_from(gen)),
         slot_allocator=SlotAllocator(pool_size + 1, seed=_seed_from(gen)),
+        page_allocator=SlotAllocator(pool_size // page_size + 1, seed=_seed_from(gen)) if page_size > 1 else None,
         generator=gen,
     )
 

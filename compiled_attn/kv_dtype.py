@@ -1,0 +1,66 @@
+"""KV-cache storage dtypes: how a gathered K/V tile becomes what the attention kernels read.
+
+- float32, bfloat16, float16 caches are read as they are when the kernel computes in their dtype: ATen's CPU flash
+  kernel takes bf16/fp16 inputs and accumulates in float32, so a half-precision query over a cache of its dtype
+  needs no float32 copy (the copy doubled the bytes moved after the gather).
+- float8 caches (``float8_e4m3fn``, ``float8_e5m2``; SGLang's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) store
+  ``value / scale`` with one scale per layer for K and one for V. They are dequantised inside the gather, on the
+  few L2-sized blocks a kernel call reads, so the cache is read once at one byte per element.
+
+Pure helpers over tensors; the scales are Python floats (per layer, fixed for a server's life).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.float32, *HALF_DTYPES, *FP8_DTYPES)
+
+
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are handed to a kernel in: the query's half precision when the cache is stored in that dtype
+    or in float8 (dequantising into bf16/fp16 is exact up to the scale's rounding), else float32 (a float32 cache
+    is never rounded down to a half-precision query)."""
+    if q_dtype in HALF_DTYPES and (kv_dtype == q_dtype or kv_dtype in FP8_DTYPES):
+        return q_dtype
+    return torch.float32
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """``x`` (a freshly gathered tile, any shape) in ``dtype``, times ``scale`` when given and not 1.
+
+    Converts in one pass; the scale is applied in place on the converted copy (never on the cache)."""
+    converted = x.dtype != dtype
+    if converted:
+        x = x.to(dtype)
+    if scale is not None and scale != 1.0:
+        x = x.mul_(scale) if converted else x * scale
+    return x
+
+
+def check_scales(k_scale, v_scale) -> None:
+    """Each scale is a finite positive Python number, or None (1.0). Scales dequantise float8 caches; on a
+    float32/bf16/fp16 cache they are still applied (a cache stored scaled)."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"{name} must be a Python float (the layer's dequantisation scale) or None, got "
+                            f"{type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {scale}")
+
+
+def scale_value(scale) -> float | None:
+    """A layer's scale as SGLang holds it (None, a float, or a one-element tensor) as a Python float; read once,
+    at set-up, never per step."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"KV scale must be one number per layer, got a tensor of shape {tuple(scale.shape)}")
+        return float(scale.detach().cpu())
+    return float(scale)

@@ -1,0 +1,69 @@
+"""Helpers of the SGLang backend (``backend.py``): the decode graphs' block capacity and static buffers, and the
+host-side reading of a layer's and a batch's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphs import cdiv
+
+from ..decode import gather_unit
+from ..plan import normalize_window
+
+
+def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int,
+                         page_size: int = 1) -> int:
+    """KV blocks a decode graph of ``bs`` rows computes over (see the module docstring). With pages a request's
+    first block may start up to ``gather_unit - 1`` positions early (a window's start rounded down to its run):
+    one more block per row at most."""
+    unit = gather_unit(page_size, block_size)
+    per_row = 1 if unit == 1 else 2
+    return max(1, min(bs * cdiv(max_context_len + unit - 1, block_size), cdiv(kv_tokens, block_size) + per_row * bs))
+
+
+def layer_window(layer) -> int | None:
+    return normalize_window(getattr(layer, "sliding_window_size", -1))
+
+
+def layer_logit_cap(layer) -> float | None:
+    cap = getattr(layer, "logit_cap", 0.0) or 0.0
+    if cap <= 0:
+        return None
+    method = getattr(layer, "logit_capping_method", "tanh")
+    if method != "tanh":
+        raise NotImplementedError(f"compiled_attn: logit_capping_method={method!r} is not supported (only 'tanh')")
+    return float(cap)
+
+
+@dataclass
+class GraphState:
+    """Static buffers shared by every captured batch size (allocated by ``init_cuda_graph_state``)."""
+
+    max_bs: int
+    kv_tokens: int
+    req_rows: torch.Tensor  # [max_bs] int64
+    kv_lo: torch.Tensor  # [max_bs] int64
+    kv_hi: torch.Tensor  # [max_bs] int64
+    block_ids: torch.Tensor  # [capacity(max_bs)] int64 arange; a graph of bs rows reads [:capacity(bs)]
+    block_offsets: torch.Tensor  # [block_size] int64 arange
+
+
+def host_int64(cpu_copy, tensor) -> torch.Tensor:
+    t = cpu_copy if cpu_copy is not None else tensor
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    return t.detach().to("cpu", torch.int64)
+
+
+def check_mode(mode) -> None:
+    name = getattr(mode, "name", str(mode))
+    if name in ("TARGET_VERIFY", "DRAFT_EXTEND_V2", "DLLM_EXTEND"):
+        raise NotImplementedError(f"compiled_attn: forward mode {name} (speculative decoding / dLLM) is not "
+                                  "supported yet")
+
+
+def check_kwargs(kwargs) -> None:
+    extra = sorted(name for name, value in kwargs.items() if value is not None)
+    if extra:
+        raise NotImplementedError(f"compiled_attn: attention arguments {extra} are not supported")
