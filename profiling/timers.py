@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["time_fn", "time_interleaved", "median", "format_table", "LatencyTable", "range_overhead_ns"]
+__all__ = ["time_fn", "time_interleaved", "median", "spread", "round_ratios", "noise_verdict", "format_table",
+           "LatencyTable", "range_overhead_ns"]
 
 _UNIT_SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 
@@ -75,6 +76,39 @@ def median(xs: Iterable[float]) -> float:
     if not values:
         raise ValueError("median() of an empty sequence")
     return statistics.median(values)
+
+
+def spread(xs: Iterable[float]) -> tuple[float, float, float]:
+    """``(min, median, max)`` of ``xs`` (raises ``ValueError`` on an empty sequence)."""
+    values = list(xs)
+    return min(values), median(values), max(values)
+
+
+def round_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Per-round ratios ``num[i] / den[i]`` of two candidates timed in the same rounds (round-robin).
+
+    A slow spell inside one round hits both candidates, so the per-round ratio is steadier than a ratio of
+    medians taken at different times; its min..max says how far a comparison can be trusted.
+    """
+    if len(num) != len(den) or not num:
+        raise ValueError(f"round_ratios needs two equal, non-empty sequences, got {len(num)} and {len(den)}")
+    return [a / b for a, b in zip(num, den, strict=True)]
+
+
+def noise_verdict(ratios: Sequence[float], *, factor: float = 1.5) -> str | None:
+    """Why a comparison's per-round ``ratios`` cannot say which candidate is faster, or None when they can.
+
+    Too noisy when the ratios straddle 1.0 (some rounds say faster, some slower) or when max/min exceeds
+    ``factor`` (the rounds disagree by more than the effect could be). One ratio has no spread to judge.
+    """
+    if len(ratios) < 2:
+        return "1 round only: no spread to judge (more repeats needed)"
+    lo, hi = min(ratios), max(ratios)
+    if lo < 1.0 < hi:
+        return f"per-round ratio {lo:.2f}..{hi:.2f} straddles 1.0"
+    if hi / lo > factor:
+        return f"per-round ratio {lo:.2f}..{hi:.2f} spans {hi / lo:.2f}x (> {factor:.2f}x)"
+    return None
 
 
 def _cell(value: Any, precision: int) -> str:

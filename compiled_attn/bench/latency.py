@@ -5,11 +5,16 @@ attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; 
 Per batch size it prints prefill latency and throughput, every decode step's latency (the first one marked),
 the median decode latency and throughput, and the total; then one table of backend x batch size, and a
 self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not). All engines are
-built (and the compiled one warmed) first; then the backends take turns per batch size.
+built (and the compiled one warmed) first; then, per batch size, the backends are interleaved per round (every
+prefill, then decode step 1 of every backend, step 2, ...; who goes first rotates), ``--repeats R`` whole
+generations, so a noisy spell lands on every backend alike. A spread table follows: median and min..max of
+prefill and decode latency, and per comparison (each backend vs loop, compiled vs eager) the per-round ratio's
+min..max, called too noisy when it straddles 1.0 or spans more than ``NOISE_FACTOR``. ``--contend N`` runs N
+spinning processes during the rounds (``contend.py``).
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends) takes under a minute on a 2-core CPU; measurements taken while other processes held > 10% of
-the CPUs are flagged.
+all three backends, one repeat) takes 2-3 minutes on a shared 2-core CPU, most of it the batch-32 prefills;
+measurements taken while other processes held > 10% of the CPUs are flagged.
 ``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
 decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
 
@@ -27,10 +32,11 @@ import torch
 
 import profiling
 from profiling.host import CpuShare, add_malloc_flag, tune_malloc
-from profiling.timers import median
+from profiling.timers import format_table, median, noise_verdict, round_ratios, spread
 
 from ..decode_graphs import GraphConfig
 from .backends import BACKENDS, make_backend
+from .contend import contend, describe
 from .engine import Engine
 from .models import PRESETS, build_model, get_config
 from .report import (
@@ -40,10 +46,12 @@ from .report import (
     check_writable,
     format_batch_report,
     format_side_by_side,
+    int_at_least,
     write_plot,
 )
 
 PROG = "compiled-attn bench"
+NOISE_FACTOR = 1.5  # a comparison whose per-round ratios span more than this is too noisy to call
 
 
 def _fail(msg: str) -> SystemExit:
@@ -61,6 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=8, help="generated tokens (prefill's + decode steps)")
     p.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--repeats", type=int_at_least(1), default=1, metavar="R",
+                   help="whole generations per batch size, backends interleaved per step (default 1)")
+    p.add_argument("--contend", type=int_at_least(0), default=0, metavar="N",
+                   help="N processes spin on the CPU while timing (after the warm-ups; default 0)")
     p.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the compiled backend's decode step (default: on)")
     p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None,
@@ -155,31 +167,76 @@ def setup_backend(name: str, model, args, device) -> tuple[Engine, dict]:
     return engine, {"label": backend.label, "setup": setup, "results": {}}
 
 
-def run_batch(name: str, engine: Engine, args, bs: int, profiler=None) -> dict:
-    """Prefill ``bs`` prompts, decode, release; print and return the batch's report."""
-    share = CpuShare()
-    prefill = engine.admit([args.input_len] * bs, seed=args.seed + bs)
+def _rotated(names: list[str], k: int) -> list[str]:
+    """``names`` starting at position ``k``: who goes first changes every round, so no backend always runs right
+    after the same one (whose cache footprint or frequency boost it would inherit)."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def _empty_record() -> dict:
+    """Raw per-repeat measurements of one backend at one batch size."""
+    return {"prefill_s": [], "decode_s": [], "buckets": [], "tokens": []}
+
+
+def run_rounds(engines: dict[str, Engine], args, bs: int, profiler=None) -> dict[str, dict]:
+    """``--repeats`` generations of ``bs`` prompts, the backends interleaved: every backend's prefill, then
+    decode step 1 of every backend, step 2, ... (each engine keeps its own batch between its steps).
+
+    A slow spell on this shared machine then lands on one round of every backend instead of on one backend's
+    whole generation. Returns per backend: prefill_s [R], decode_s [R][steps], buckets [R][steps], tokens
+    [R] x [bs, output_len] int64.
+    """
+    names, rec = list(engines), {name: _empty_record() for name in engines}
+    rnd = 0
+    for r in range(args.repeats):
+        for name in _rotated(names, rnd):
+            res = engines[name].admit([args.input_len] * bs, seed=args.seed + bs)
+            rec[name]["prefill_s"].append(res.latency_s)
+            rec[name]["tokens"].append([res.tokens[:, None]])
+            rec[name]["decode_s"].append([])
+            rec[name]["buckets"].append([])
+        rnd += 1
+        for _ in range(args.output_len - 1):
+            for name in _rotated(names, rnd):
+                _decode_one(engines[name], rec[name], profiler)
+            rnd += 1
+        for name in names:
+            engines[name].release()
+            rec[name]["tokens"][r] = torch.cat(rec[name]["tokens"][r], 1)
+    return rec
+
+
+def _decode_one(engine: Engine, rec: dict, profiler) -> None:
+    """One decode step of ``engine``'s admitted batch, appended to the current repeat of ``rec``."""
     if profiler is not None:  # record the decode steps only
         profiler.toggle_collection_dynamic(True, list(profiler.activities))
-    decode = engine.decode(args.output_len - 1)
+    out = engine.decode(1)
     if profiler is not None:
         profiler.toggle_collection_dynamic(False, list(profiler.activities))
-    engine.release()
-    res = _summarise(bs, args, prefill, decode)
-    res["cpu_share_of_other_processes"] = share.others()
-    print(format_batch_report(name, engine.backend.label, res), flush=True)
-    return res
+    rec["decode_s"][-1] += out.latencies_s
+    rec["buckets"][-1] += out.buckets
+    rec["tokens"][-1].append(out.tokens)
 
 
 def run_backends(model, args, device, profiler=None) -> dict:
-    """Every backend's engine first (warm-ups included), then each batch size with the backends taking turns,
-    so a slow spell on this shared machine lands on all of them rather than on whichever ran then."""
+    """Every backend's engine first (warm-ups included); then, per batch size and under ``--contend``, the
+    interleaved rounds of ``run_rounds``; each backend's batch report is printed when its batch size ends."""
     engines, results = {}, {}
     for name in args.backend:
         engines[name], results[name] = setup_backend(name, model, args, device)
-    for bs in args.batch_size:
-        for name, engine in engines.items():
-            results[name]["results"][bs] = run_batch(name, engine, args, bs, profiler)
+    with contend(args.contend):
+        for bs in args.batch_size:
+            share = CpuShare()
+            rec = run_rounds(engines, args, bs, profiler)
+            other = share.others()
+            for name in engines:
+                res = _summarise(bs, args, rec[name])
+                res["cpu_share_of_other_processes"] = other
+                results[name]["results"][bs] = res
+            _add_round_ratios(results, bs)
+            for name, engine in engines.items():
+                print(format_batch_report(name, engine.backend.label, results[name]["results"][bs]), flush=True)
     if "compiled" in engines:
         backend = engines["compiled"].backend
         results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in backend.graphs.stats]
@@ -187,23 +244,101 @@ def run_backends(model, args, device, profiler=None) -> dict:
     return results
 
 
-def _summarise(bs: int, args, prefill, decode) -> dict:
-    lat = decode.latencies_s
-    med = median(lat)
-    total = prefill.latency_s + sum(lat)
-    tokens = torch.cat([prefill.tokens[:, None], decode.tokens], 1)
+def _summarise(bs: int, args, rec: dict) -> dict:
+    """The batch report of one backend: the existing fields (prefill: median over repeats; decode_latencies_s:
+    per step, the median over repeats; median_decode_s: over every step of every repeat) plus spreads."""
+    by_step = [median(step) for step in zip(*rec["decode_s"], strict=True)]
+    d_min, d_med, d_max = spread(t for rep in rec["decode_s"] for t in rep)
+    p_min, p_med, p_max = spread(rec["prefill_s"])
+    total = p_med + sum(by_step)
+    tokens = rec["tokens"]
     return {
         "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
-        "prefill_latency_s": prefill.latency_s,
-        "prefill_throughput_tok_s": bs * args.input_len / prefill.latency_s,
-        "decode_latencies_s": lat, "decode_buckets": decode.buckets,
-        "first_decode_s": lat[0], "median_decode_s": med,
-        "median_decode_throughput_tok_s": bs / med,
-        "first_over_median": lat[0] / med,
+        "prefill_latency_s": p_med,
+        "prefill_throughput_tok_s": bs * args.input_len / p_med,
+        "decode_latencies_s": by_step, "decode_buckets": rec["buckets"][0],
+        "first_decode_s": by_step[0], "median_decode_s": d_med,
+        "median_decode_throughput_tok_s": bs / d_med,
+        "first_over_median": by_step[0] / d_med,
         "total_latency_s": total,
         "total_throughput_tok_s": bs * (args.input_len + args.output_len) / total,
-        "tokens": tokens.cpu().tolist(),
+        "tokens": tokens[0].cpu().tolist(),
+        # spread over --repeats (decode: over every step of every repeat)
+        "repeats": args.repeats, "prefill_latencies_s": rec["prefill_s"], "prefill_min_s": p_min,
+        "prefill_max_s": p_max, "decode_latencies_by_repeat_s": rec["decode_s"], "decode_min_s": d_min,
+        "decode_max_s": d_max, "tokens_same_across_repeats": all(torch.equal(t, tokens[0]) for t in tokens),
     }
+
+
+def _phase_ratios(ref: dict, res: dict) -> dict[str, list[float]]:
+    """Per-round latency ratios ref / res of two batch reports at one batch size: {"prefill": [R], "decode":
+    [R * steps]} (> 1: res is faster). A round is one repeat's prefill, or one decode step of one repeat."""
+    def flat(r):
+        return [t for rep in r["decode_latencies_by_repeat_s"] for t in rep]
+    return {"prefill": round_ratios(ref["prefill_latencies_s"], res["prefill_latencies_s"]),
+            "decode": round_ratios(flat(ref), flat(res))}
+
+
+def _add_round_ratios(results: dict, bs: int) -> None:
+    """``{prefill,decode}_x_loop_{min,median,max}``: the per-round ratio loop / backend, on every backend's
+    result at ``bs``."""
+    if "loop" not in results:
+        return
+    ref = results["loop"]["results"][bs]
+    for res in results.values():
+        r = res["results"][bs]
+        for phase, ratios in _phase_ratios(ref, r).items():
+            lo, med, hi = spread(ratios)
+            r.update({f"{phase}_x_loop_min": lo, f"{phase}_x_loop_median": med, f"{phase}_x_loop_max": hi})
+
+
+def comparisons(results: dict, batch_sizes: list[int]) -> list[dict]:
+    """Every backend against ``loop``, and ``compiled`` against ``eager`` (does compiling pay for itself?), per
+    batch size and phase: the per-round ratio's min/median/max and ``noise_verdict``'s reason (None: clear)."""
+    pairs = [(name, "loop") for name in results if name != "loop" and "loop" in results]
+    if "compiled" in results and "eager" in results:
+        pairs.append(("compiled", "eager"))
+    out = []
+    for bs in batch_sizes:
+        for name, ref in pairs:
+            ratios = _phase_ratios(results[ref]["results"][bs], results[name]["results"][bs])
+            for phase, rs in ratios.items():
+                lo, med, hi = spread(rs)
+                out.append({"bs": bs, "backend": name, "against": ref, "phase": phase, "rounds": len(rs),
+                            "ratio_min": lo, "ratio_median": med, "ratio_max": hi,
+                            "noisy": noise_verdict(rs, factor=NOISE_FACTOR)})
+    return out
+
+
+def format_spread(results: dict, batch_sizes: list[int], comps: list[dict]) -> str:
+    """Per backend and batch size: median and min..max of prefill and decode latency (ms); then the per-round
+    ratios of each comparison, and one line for each comparison too noisy to call."""
+    rows = [{"backend": name, "bs": bs, "prefill_ms": r["prefill_latency_s"] * 1e3,
+             "prefill_min": r["prefill_min_s"] * 1e3, "prefill_max": r["prefill_max_s"] * 1e3,
+             "decode_ms": r["median_decode_s"] * 1e3, "decode_min": r["decode_min_s"] * 1e3,
+             "decode_max": r["decode_max_s"] * 1e3}
+            for bs in batch_sizes for name, res in results.items() if (r := res["results"].get(bs))]
+    repeats = next(iter(results.values()))["results"][batch_sizes[0]]["repeats"]
+    text = [f"\n== spread over {repeats} repeat(s), backends interleaved per round (ms; decode: every step of "
+            f"every repeat)", format_table(rows, list(rows[0]))]
+    if comps:
+        crows = [{"bs": c["bs"], "compare": f"{c['backend']}/{c['against']}", "phase": c["phase"],
+                  "rounds": c["rounds"], "x_median": c["ratio_median"], "x_min": c["ratio_min"],
+                  "x_max": c["ratio_max"], "call": "too noisy" if c["noisy"] else "clear"} for c in comps]
+        text += [f"\nper-round ratio (the other's latency / this one's; > 1: faster); too noisy when it "
+                 f"straddles 1.0 or spans > {NOISE_FACTOR:.2f}x", format_table(crows, list(crows[0]))]
+        text += [f"too noisy: {c['backend']} vs {c['against']}, bs {c['bs']}, {c['phase']}: {c['noisy']}"
+                 for c in comps if c["noisy"]]
+    return "\n".join(text)
+
+
+def _repeat_check(results: dict, check: dict) -> dict:
+    """Fold "same greedy ids in every repeat" (per backend, per batch size) into the agreement check."""
+    bad = [f"{name} bs={bs}" for name, res in results.items() for bs, r in res["results"].items()
+           if not r["tokens_same_across_repeats"]]
+    if bad:
+        check = {**check, "ok": False, "line": check["line"] + "; repeats disagree: " + ", ".join(bad)}
+    return check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +372,10 @@ def _run(args) -> int:
         profiler.export_chrome_trace(args.trace)
         print(f"torch.profiler trace of the decode steps: {args.trace}")
     print(format_side_by_side(results, args.batch_size))
-    check = agreement(results, args.batch_size)
+    comps = comparisons(results, args.batch_size)
+    print(format_spread(results, args.batch_size, comps))
+    print(describe(args.contend))
+    check = _repeat_check(results, agreement(results, args.batch_size))
     strict = dtype == torch.float32
     print(check["line"] + ("" if strict or check["ok"] else " (not fp32: reported, not enforced)"))
     wall = time.perf_counter() - start
@@ -246,7 +384,8 @@ def _run(args) -> int:
                          "dtype": str(dtype).replace("torch.", ""), "malloc_tuning": malloc,
                          "model_config": vars(cfg).copy(), "threads": torch.get_num_threads(),
                          "torch": torch.__version__},
-              "backends": results, "token_agreement": check, "wall_s": wall}
+              "backends": results, "token_agreement": check, "comparisons": comps,
+              "noise_factor": NOISE_FACTOR, "contention": describe(args.contend), "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -4,7 +4,9 @@ algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA
 
 Reports medians, ratios to the loop, and effective GB/s (K/V bytes the batch needs / time) next to a plain copy
 bandwidth measured in the same run. The three are timed round-robin (one call of each per round), with glibc's
-allocator tuned as in ``compiled-attn bench`` (``--no-malloc-tuning`` turns that off).
+allocator tuned as in ``compiled-attn bench`` (``--no-malloc-tuning`` turns that off). ``--sweep-len`` (``sweep.py``):
+bs=1 MHA decode per context length, with a one-pass read of the same K/V bytes as the physical bound.
+``--contend N``: N processes spin on the CPU while everything is measured (``contend.py``); the report says so.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..decode import build_decode_index, decode_blocks
 from ..metadata import DecodeInputs
 from ..plan import plan_decode
 from .batches import make_batch
+from .contend import contend, describe
 from .loop_baseline import loop_decode
 from .models import get_attention_shape
 from .ops_extend import COLUMNS as EXTEND_COLUMNS
@@ -35,10 +38,26 @@ def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shar
     return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale, v_shares_k=v_shares_k)
 
 
-def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0) -> dict:
+def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
+    """One contiguous 1-D tensor holding the K/V bytes the batch's decode reads (K and V rows of every request's
+    tokens; for MLA the latent K only, V is a view of it): a plain ``.sum()`` over it is the one-pass read the
+    attention cannot beat (the physical bound column)."""
+    slots = torch.cat([b.req_to_token[r, :n].long() for r, n in zip(b.rows.tolist(), lens, strict=True)])
+    parts = [b.k_cache[slots].reshape(-1)] + ([] if mla else [b.v_cache[slots].reshape(-1)])
+    return torch.cat(parts)
+
+
+def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
+               lens: list[int] | None = None, bound: bool = False) -> dict:
+    """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
+    list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
+    after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s)."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)
-    lens = (torch.randint(256, 2049, (bs,), generator=g).tolist() if lens_kind == "mixed" else [1024] * bs)
+    if lens is None:
+        lens = (torch.randint(256, 2049, (bs,), generator=g).tolist() if lens_kind == "mixed" else [1024] * bs)
+    elif len(lens) != bs:
+        raise ValueError(f"bench_case: {len(lens)} lens for batch size {bs}")
     b = make_batch(lens, hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv, mla=shape.mla, dtype=dtype,
                    seed=seed, decode=True)
     q, k_cache, v_cache, table = b.q, b.k_cache, b.v_cache, b.req_to_token
@@ -59,19 +78,27 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     ref = loop()
     for fn in (eager, comp):  # the three must agree before any of them is timed
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
-    # round-robin, so a neighbour's burst on this shared machine slows all three alike
-    times = time_interleaved({"loop": loop, "eager": eager, "compiled": comp}, warmup=1, iters=iters)
+    fns = {"loop": loop, "eager": eager, "compiled": comp}
+    if bound:
+        kv = _kv_bytes_copy(b, lens, shape.mla)
+        fns["read"] = kv.sum
+    # round-robin, so a neighbour's burst on this shared machine slows all of them alike
+    times = time_interleaved(fns, warmup=1, iters=iters)
     t = {k: median(v) for k, v in times.items()}
     kv_bytes = sum(lens) * shape.hkv * (shape.dqk + (0 if shape.mla else shape.dv)) * k_cache.element_size()
-    return {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "loop_ms": t["loop"] * 1e3,
-            "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
-            "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
-            "compiled_GBps": kv_bytes / t["compiled"] / 1e9}
+    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "loop_ms": t["loop"] * 1e3,
+           "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
+           "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
+           "compiled_GBps": kv_bytes / t["compiled"] / 1e9, "tokens": sum(lens), "kv_bytes": kv_bytes}
+    if bound:
+        row["read_ms"] = t["read"] * 1e3
+    return row
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     p = OneLineParser(prog="compiled-attn bench-ops", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", nargs="+", default=["mha", "mla"], choices=["mha", "mla", *SHAPES])
+    p.add_argument("--ops", nargs="+", default=None, choices=["mha", "mla", *SHAPES],
+                   help="default: mha mla (none with --sweep-len)")
     p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
                    help="default: 1 8 32 (decode), 1 4 16 (extend)")
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"], help="decode contexts")
@@ -79,16 +106,28 @@ def main(argv=None) -> int:
                    help="extend: new tokens per request (uniform 512, mixed 64..2048)")
     p.add_argument("--prefix", nargs="+", default=["0", "1024", "mixed"], choices=PREFIXES,
                    help="extend: cached prefix per request")
+    p.add_argument("--sweep-len", nargs="*", type=int_at_least(1), default=None, metavar="L",
+                   help="bs=1 MHA decode per context length L (no L: 64 256 1024 2048 4096 4160 8192 16384)")
+    p.add_argument("--contend", type=int_at_least(0), default=0, metavar="N",
+                   help="N processes spin on the CPU while timing (default 0)")
     p.add_argument("--iters", type=int_at_least(1), default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_malloc_flag(p)
-    args = p.parse_args(argv)
-    malloc = not args.no_malloc_tuning and tune_malloc()
-    torch.manual_seed(0)
-    decode_ops = [op for op in args.ops if op in ("mha", "mla")]
-    extend_ops = [op for op in args.ops if op in SHAPES]
+    return p.parse_args(argv)
+
+
+def _run_cases(args) -> None:
+    """Every requested table (sweep, decode ops, extend ops) and the copy bandwidth, under one contention."""
+    from .sweep import SWEEP_LENS, run_sweep  # sweep imports bench_case from here
+
+    dtype = getattr(torch, args.dtype)
+    ops = args.ops if args.ops is not None else ([] if args.sweep_len is not None else ["mha", "mla"])
+    if args.sweep_len is not None:
+        run_sweep(args.sweep_len or SWEEP_LENS, iters=args.iters, dtype=dtype)
+    decode_ops = [op for op in ops if op in ("mha", "mla")]
+    extend_ops = [op for op in ops if op in SHAPES]
     if decode_ops:
-        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=getattr(torch, args.dtype))
+        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype)
                 for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]]
         cols = ["op", "bs", "lens", "loop_ms", "eager_ms", "compiled_ms", "eager_x", "compiled_x", "compiled_GBps"]
         print(format_table(rows, cols), flush=True)
@@ -97,8 +136,17 @@ def main(argv=None) -> int:
                 for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
         print(format_table(rows, EXTEND_COLUMNS))
         print(f"float32 matmul 2048^3: {matmul_gflops():.0f} GFLOP/s (the compute roof for the GFLOPs column)")
-    print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}; "
-          f"malloc tuning {'on' if malloc else 'off'}")
+    print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}")
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    malloc = not args.no_malloc_tuning and tune_malloc()
+    torch.manual_seed(0)
+    # the spinners run for the whole measurement (compiles included), so every row shares the same load
+    with contend(args.contend):
+        _run_cases(args)
+    print(f"{describe(args.contend)}; malloc tuning {'on' if malloc else 'off'}")
     return 0
 
 
