@@ -28,14 +28,15 @@ def _scale(scale, dqk: int) -> float:
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None,
                      sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False, page_size=1,
-                     k_scale=None, v_scale=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, sinks=None) -> torch.Tensor:
     """Attention of one new token per request over its cached keys.
 
     q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache,
     as MLA's latent cache); req_to_token: [max_reqs, max_context_len] int32; req_pool_indices, seq_lens: [bs].
     Request i attends to positions ``[0, seq_lens[i])`` (see ``plan_decode`` for windows, encoders and
     ``page_size``). The caches may be float8 (``k_scale``/``v_scale``: the per-layer dequantisation scales,
-    None meaning 1) or another dtype than q (``kv_dtype``).
+    None meaning 1) or another dtype than q (``kv_dtype``). sinks: optional [Hq] attention-sink logits (gpt-oss),
+    each joining its head's softmax denominator.
     Returns ``[bs, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
@@ -48,17 +49,17 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         return q.new_zeros(0, q.shape[1], v_cache.shape[2])
     return decode_blocks(q, k_cache, v_cache, build_decode_index(req_to_token, meta.inputs, meta.page_size),
                          scale, logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache), k_scale=k_scale,
-                         v_scale=v_scale)
+                         v_scale=v_scale, sinks=sinks)
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                      extend_seq_lens, *, scale=None, causal=True, sliding_window=None, logit_cap=None,
                      encoder_lens=None, is_cross_attn=False, page_size=1, k_scale=None,
-                     v_scale=None) -> torch.Tensor:
+                     v_scale=None, sinks=None) -> torch.Tensor:
     """Attention of each request's new tokens over its cached prefix and themselves.
 
     q: [num_tokens, Hq, Dqk], request i's queries (positions ``[extend_prefix_lens[i], seq_lens[i])``) packed in
-    request order; caches, table, ``page_size`` and scales as in ``decode_attention``; the new tokens' K/V must
+    request order; caches, table, ``page_size``, scales and sinks as in ``decode_attention``; the new tokens' K/V must
     already be written. Returns ``[num_tokens, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
@@ -67,4 +68,4 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn, page_size=page_size)
     return extend_tiled(q, k_cache, v_cache, req_to_token, meta, _scale(scale, q.shape[2]), logit_cap,
-                        k_scale=k_scale, v_scale=v_scale)
+                        k_scale=k_scale, v_scale=v_scale, sinks=sinks)

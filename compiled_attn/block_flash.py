@@ -132,7 +132,7 @@ def _block_flash_fake(q, k_cache, v_cache, units, valid, scale, chunk_blocks, un
 @torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
 def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
                    valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's queries over one sequence of positions whose valid ones are one run: a decode request's
     blocks laid end to end (valid up to the request's end; a bucket's unused blocks follow; with a paged cache the
     first block may start before the request's first key, at its page's start). One gather and one kernel call,
@@ -141,20 +141,21 @@ def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     q: [1, Hkv, group, D] in the kernel's dtype; k_cache, v_cache: [num_slots, Hkv, D]; units: [n // unit] int64
     runs of ``unit`` slots; valid: [n] bool
-    returns [1, Hkv, group, D] in q's dtype (zeros when no position is valid).
+    returns o: [1, Hkv, group, D] in q's dtype (zeros when no position is valid) and its rows' log-sum-exp
+    lse: [1, Hkv, group] float32 (the lowest float32 when no position is valid: an empty softmax).
     """
     n = int(valid.sum())
     if n == 0:
-        return q.new_zeros(q.shape)
+        return q.new_zeros(q.shape), q.new_full(q.shape[:3], torch.finfo(torch.float32).min, dtype=torch.float32)
     lead = int(valid.int().argmax())  # the first valid position
     first, last = lead // unit, -(-(lead + n) // unit)
     k, v = _gather_kv(k_cache, v_cache, units[first:last], unit, 1, (last - first) * unit, q.dtype, k_scale, v_scale)
     start = lead - first * unit
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
-    o, _ = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
-    return o.contiguous()
+    o, lse = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
+    return o.contiguous(), lse.contiguous()
 
 
 @sequence_flash.register_fake
 def _sequence_flash_fake(q, k_cache, v_cache, units, valid, scale, unit=1, k_scale=1.0, v_scale=1.0):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

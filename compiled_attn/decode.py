@@ -16,7 +16,6 @@ All functions here are pure tensor code: no ``.item()``, no host sync, no value-
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,10 @@ class DecodeIndex:
 
 def gather_unit(page_size: int, block_size: int) -> int:
     """Positions per gathered run of consecutive slots: ``gcd(page_size, block_size)`` (1 without pages)."""
-    return 1 if page_size == 1 else math.gcd(page_size, int(block_size))
+    a, b = int(page_size), int(block_size)
+    while b:  # Euclid by hand: dynamo cannot trace math.gcd on a shape
+        a, b = b, a % b
+    return a
 
 
 def aligned_kv_lo(kv_lo: torch.Tensor, unit: int) -> torch.Tensor:
@@ -130,12 +132,15 @@ def decode_blocks(
     cpu_flash: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
     q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv], in any ``kv_dtype.KV_DTYPES``
     (float8 included: dequantised in the gather as ``stored * k_scale`` / ``stored * v_scale``, None meaning 1)
     v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
+    sinks: [Hq] attention sinks (gpt-oss): a learned logit per head that joins each row's softmax denominator
+        (``exp(sink)`` beside the keys' ``exp(score)``) with no value, so a row can attend to "nothing"
     cpu_flash: per-block attention through ATen's CPU flash kernel (``block_flash``) rather than the matmul form;
         None picks it wherever it applies (CPU, one head size, no soft-cap). The choice follows shapes, dtypes and
         the device, never tensor values.
@@ -157,7 +162,7 @@ def decode_blocks(
         if not flash_fits:
             raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
                              f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
-        return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale)
+        return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale, sinks_by_kv_head(sinks, hkv, hq))
     flat = index.slots.reshape(-1)
     qb = _block_queries(q, index, hkv) * scale
     valid = index.valid[:, None, :]
@@ -182,8 +187,25 @@ def decode_blocks(
         ls.append(p.sum(-1))
         os_.append(torch.bmm(p, v))  # [nblk, group, dv]
     m, lsum, o = torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)  # [nblk, hkv, group(, dv)]
-    out = merge_blocks(m, lsum, o, index.block_req, bs)
+    out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
     return out.reshape(bs, hq, dv).to(q.dtype)
+
+
+def sinks_by_kv_head(sinks: torch.Tensor | None, hkv: int, hq: int) -> torch.Tensor | None:
+    """[Hq] sinks (any float dtype) as the [Hkv, group] float32 the merges read, or None."""
+    if sinks is None:
+        return None
+    if not torch.compiler.is_compiling():
+        validate.check_sinks(sinks, hq)
+    return sinks.float().reshape(hkv, hq // hkv)
+
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A normalised output ``o: [..., Hkv, group, Dv]`` with its rows' log-sum-exp ``lse: [..., Hkv, group]`` after
+    the sinks join the denominator: ``o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)``."""
+    if sinks is None:
+        return o
+    return o * torch.sigmoid(lse - sinks)[..., None]
 
 
 def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.dtype = torch.float32
@@ -195,7 +217,8 @@ def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.d
 
 
 def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
-                  scale: float, k_scale: float | None, v_scale: float | None) -> torch.Tensor:
+                  scale: float, k_scale: float | None, v_scale: float | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
     """``decode_blocks`` through ``block_flash``."""
     bs, hq, d = q.shape
     nblk, block_size = index.slots.shape
@@ -206,23 +229,24 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if bs == 1 and nblk <= SINGLE_REQUEST_CHUNKS * chunk:
         # One request needs no split: all its blocks as one sequence, one kernel call, no merge (unused blocks
         # of the bucket are skipped); faster than the split form up to this size (docs/performance.md).
-        o = sequence_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs.view(-1),
-                           index.valid.view(-1), scale, index.unit, *scales)
-        return o.reshape(1, hq, d).to(q.dtype)
+        o, lse = sequence_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs.view(-1),
+                                index.valid.view(-1), scale, index.unit, *scales)
+        return apply_sinks(o.float(), lse, sinks).reshape(1, hq, d).to(q.dtype)
     o, lse = block_flash(_block_queries(q, index, hkv, dtype), k_cache, v_cache, index.runs, index.valid, scale,
                          chunk, index.unit, *scales)
     # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
-    out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs)
+    out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs, sinks)
     return out.reshape(bs, hq, d).to(q.dtype)
 
 
 @torch.library.custom_op("compiled_attn::merge_blocks", mutates_args=())
 def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req: torch.Tensor,
-                 num_rows: int) -> torch.Tensor:
+                 num_rows: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge per-block partial softmaxes into one output per request (log-sum-exp rule).
 
     m, lsum: [nblk, Hkv, group] block max and sum of exp; o: [nblk, Hkv, group, Dv] block's unnormalised output;
-    block_req: [nblk] request of each block, ``num_rows`` for unused blocks -> [num_rows, Hkv, group, Dv] float32.
+    block_req: [nblk] request of each block, ``num_rows`` for unused blocks; sinks: [Hkv, group] float32 logits
+    that join every row's denominator (``decode_blocks``' ``sinks``) -> [num_rows, Hkv, group, Dv] float32.
 
     A custom op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
     ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
@@ -235,12 +259,16 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     lowest = torch.finfo(torch.float32).min
     m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
     m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
+    if sinks is not None:  # the sink is one more term of the row's max, so no exp() below can overflow
+        m_req = torch.maximum(m_req, sinks)
     w = torch.exp(m - m_req.index_select(0, block_req))
     acc = o.new_zeros((rows, *o.shape[1:])).index_add_(0, block_req, (o * w[..., None]).contiguous())
     den = lsum.new_zeros((rows, *lsum.shape[1:])).index_add_(0, block_req, lsum * w)
+    if sinks is not None:
+        den = den + torch.exp(sinks - m_req)
     return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
 
 
 @merge_blocks.register_fake
-def _merge_blocks_fake(m, lsum, o, block_req, num_rows):
+def _merge_blocks_fake(m, lsum, o, block_req, num_rows, sinks=None):
     return o.new_empty((num_rows, *o.shape[1:]), dtype=torch.float32)

@@ -26,7 +26,7 @@ import torch
 
 from graphs import cdiv
 
-from .decode import merge_blocks
+from .decode import merge_blocks, sinks_by_kv_head
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
 from .kv_dtype import dequantize
 from .metadata import ExtendMetadata
@@ -209,11 +209,11 @@ def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs
 def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: ExtendTileIndex,
                  scale: float, logit_cap: float | None = None, *, cpu_flash: bool | None = None,
                  span_keys: int | None = None, k_scale: float | None = None,
-                 v_scale: float | None = None) -> torch.Tensor:
+                 v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype.
 
     The caches may be any ``kv_dtype.KV_DTYPES`` (float8: dequantised in the gather as ``stored * k_scale`` /
-    ``stored * v_scale``, None meaning 1).
+    ``stored * v_scale``, None meaning 1). sinks: [Hq] attention-sink logits, as in ``decode_blocks``.
     cpu_flash: the CPU flash form; None picks it wherever it applies (CPU, Dv <= Dqk, no soft-cap); the choice
     follows shapes, dtypes and the device, never values. span_keys: keys per CPU kernel call (default about
     ``extend_flash.SPAN_BYTES`` of K).
@@ -222,6 +222,7 @@ def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if t == 0:  # nothing to gather from an empty q
         return q.new_zeros(0, hq, dv)
+    sinks = sinks_by_kv_head(sinks, hkv, hq)
     fits = supports_tile_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash is None:
         cpu_flash = fits
@@ -232,15 +233,15 @@ def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = ragged_tile_flash(q, k_cache, v_cache, index.slots, index.q_start, index.q_count, index.k_count,
                                 index.full, index.q_rel, scale, span_keys, index.causal,
                                 -1 if index.sliding_window is None else index.sliding_window,
-                                1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+                                1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
         return out.view(t, hq, dv).to(q.dtype)
     if index.mask is None:
         raise ValueError("the matmul form needs an index built with with_mask=True")
-    return _extend_matmul(q, k_cache, v_cache, index, scale, logit_cap, k_scale, v_scale)
+    return _extend_matmul(q, k_cache, v_cache, index, scale, logit_cap, k_scale, v_scale, sinks)
 
 
 def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, logit_cap: float | None,
-                   k_scale: float | None = None, v_scale: float | None = None):
+                   k_scale: float | None = None, v_scale: float | None = None, sinks: torch.Tensor | None = None):
     """The matmul form: static chunks of pairs, float32 softmax per pair, merge by log-sum-exp over tokens."""
     t, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -276,7 +277,7 @@ def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, lo
     l_ = torch.cat(ls).reshape(p_cap * tq, hkv, group)
     o = torch.cat(os_).reshape(p_cap * tq, hkv, group, dv)
     target = torch.where(index.q_rows >= 0, index.q_rows, t).reshape(-1)  # invalid rows -> the discard row
-    return merge_blocks(m, l_, o, target, t).reshape(t, hq, dv).to(q.dtype)
+    return merge_blocks(m, l_, o, target, t, sinks).reshape(t, hq, dv).to(q.dtype)
 
 
 def default_tile_q(cpu_flash: bool) -> int:
@@ -289,13 +290,13 @@ def default_tile_q(cpu_flash: bool) -> int:
 def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale: float,
                  logit_cap: float | None = None, *, tile_q: int | None = None, tile_k: int = 64,
                  pair_capacity: int | None = None, cpu_flash: bool | None = None, k_scale: float | None = None,
-                 v_scale: float | None = None) -> torch.Tensor:
+                 v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
     single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
     flash = supports_tile_flash(q, k_cache, v_cache, logit_cap) if cpu_flash is None else cpu_flash
     index = tile_index(req_to_token, meta, flash, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
     return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash, k_scale=k_scale,
-                        v_scale=v_scale)
+                        v_scale=v_scale, sinks=sinks)
 
 
 def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, flash: bool, *, tile_q: int | None = None,

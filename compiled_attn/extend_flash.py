@@ -96,7 +96,7 @@ def _merge(o_a, lse_a, o_b, lse_b):
 def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_start: torch.Tensor, q_count: torch.Tensor, k_count: torch.Tensor, full: torch.Tensor,
                       q_rel: torch.Tensor, scale: float, span_keys: int, causal: bool, window: int,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged extend attention over the plan's (query tile, key tile) pairs, on CPU.
 
     q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D, any
@@ -105,6 +105,7 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     slots: [P, TK] int64, a pair's key slots, valid ones first (``k_count`` of them)
     q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (see ``ExtendTilePlan``)
     causal, window: the mask of spans that are not full (window -1: none)
+    sinks: [Hkv, group] float32 attention-sink logits joining every query's softmax denominator, or None
     returns [num_tokens, Hkv, group, Dv] float32 (zeros for a query that sees no key).
     """
     kernel_threads = torch.get_num_threads()
@@ -116,11 +117,11 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     with run_on_threads(1):
         return _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale,
-                                  span_keys, causal, window, k_scale, v_scale)
+                                  span_keys, causal, window, k_scale, v_scale, sinks)
 
 
 def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
-                       causal, window, k_scale, v_scale):
+                       causal, window, k_scale, v_scale, sinks):
     t, hq, d = q.shape
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -166,8 +167,11 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
             # a tile that sees exactly keys [0, n_q) (a request's first tile, no prefix) is the kernel's own causal
             # case (top-left aligned): heads unfolded, the kernel skips the masked half
             k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
-            o, _ = flash(q_tile.permute(1, 0, 2)[None].to(dtype), k, v, 0.0, True, scale=scale)
-            out[qs[i]:qs[i] + n_q] = o[0, ..., :dv].permute(1, 0, 2).reshape(n_q, hkv, group, dv)
+            o, lse = flash(q_tile.permute(1, 0, 2)[None].to(dtype), k, v, 0.0, True, scale=scale)
+            o = o[0, ..., :dv].float()  # [Hq, n_q, dv]
+            if sinks is not None:
+                o = o * torch.sigmoid(lse[0] - sinks.reshape(-1, 1))[..., None]
+            out[qs[i]:qs[i] + n_q] = o.permute(1, 0, 2).reshape(n_q, hkv, group, dv)
             written[qs[i]:qs[i] + n_q] = True
             continue
         # the group's heads go into the query-sequence dimension: one K/V head serves group * n_q rows
@@ -191,7 +195,10 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
                 # the kernel gives a row with every key masked lse 0 (o 0); it must weigh nothing in a merge
                 acc = _accumulate(acc, o, torch.where(vis.any(1), lse, float("-inf")))
             a = b
-        out[qs[i]:qs[i] + n_q] = acc[0][0].view(hkv, group, n_q, d)[..., :dv].permute(2, 0, 1, 3)
+        o = acc[0][0].view(hkv, group, n_q, d)[..., :dv]
+        if sinks is not None:
+            o = o * torch.sigmoid(acc[1][0].view(hkv, group, n_q) - sinks[..., None])[..., None]
+        out[qs[i]:qs[i] + n_q] = o.permute(2, 0, 1, 3)
         written[qs[i]:qs[i] + n_q] = True
     if not bool(written.all()):
         out[~written] = 0.0
@@ -217,6 +224,6 @@ def _accumulate(acc, o, lse):
 
 @ragged_tile_flash.register_fake
 def _ragged_tile_flash_fake(q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
-                            causal, window, k_scale=1.0, v_scale=1.0):
+                            causal, window, k_scale=1.0, v_scale=1.0, sinks=None):
     hkv = k_cache.shape[1]
     return q.new_empty((q.shape[0], hkv, q.shape[1] // hkv, v_cache.shape[2]), dtype=torch.float32)

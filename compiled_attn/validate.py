@@ -159,6 +159,13 @@ def check_page_layout(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.
                          f"of {page_size} consecutive slots starting at a multiple of {page_size}")
 
 
+def check_sinks(sinks, num_heads: int) -> None:
+    """Attention sinks: a float tensor of one logit per query head, ``[Hq]``."""
+    check_tensor("sinks", sinks, 1, FLOAT_DTYPES)
+    if sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks must have shape [{num_heads}] (one logit per query head), got {tuple(sinks.shape)}")
+
+
 def check_slot_values(name: str, loc: torch.Tensor, num_slots: int) -> None:
     """``loc`` (any shape) holds slots in ``[0, num_slots)``; a host read (a sync on CUDA)."""
     if loc.numel() == 0:

@@ -5,8 +5,10 @@ import torch
 
 
 def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefix_lens, ext_lens, *, scale=None,
-                        causal=True, sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False):
-    """q: [num_tokens, Hq, Dqk] packed per request; returns [num_tokens, Hq, Dv] float64."""
+                        causal=True, sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False,
+                        sinks=None):
+    """q: [num_tokens, Hq, Dqk] packed per request; returns [num_tokens, Hq, Dv] float64. sinks: [Hq] logits, one
+    more softmax column per head whose value is zero (gpt-oss attention sinks)."""
     hq, dqk = q.shape[1], q.shape[2]
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     scale = dqk ** -0.5 if scale is None else scale
@@ -37,6 +39,10 @@ def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefi
                 if sliding_window is not None and b < qpos - sliding_window:
                     mask[a, b] = False
         s = s.masked_fill(~mask[None], float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None, None].expand(hq, n, 1)], dim=-1)
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros
+        if sinks is not None:
+            p = p[..., :-1]  # the sink's weight goes to no value
         outs.append(torch.einsum("hqk,khd->qhd", p, v))
     return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)

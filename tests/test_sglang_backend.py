@@ -237,8 +237,8 @@ def test_idle_and_unsupported_modes():
     backend.init_forward_metadata(fb)
     q = torch.zeros(0, g.num_heads * g.head_dim)
     assert backend.forward(q, None, None, H.make_layer(g), fb).shape == (0, g.num_heads * g.v_head_dim)
-    fb.forward_mode = SG.ForwardMode.TARGET_VERIFY
-    with pytest.raises(NotImplementedError, match="speculative"):
+    fb.forward_mode = SG.ForwardMode.DLLM_EXTEND  # TARGET_VERIFY / DRAFT_EXTEND_V2: test_sglang_speculative.py
+    with pytest.raises(NotImplementedError, match="dLLM"):
         backend.init_forward_metadata(fb)
 
 
@@ -462,3 +462,31 @@ def test_unsupported_kv_dtype_fails_at_construction():
     mr.token_to_kv_pool.dtype = torch.int8
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         CompiledAttnBackend(mr)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "decode"])
+def test_attention_sinks_through_radix_attention(mode):
+    """gpt-oss passes ``sinks=`` through RadixAttention; the output equals the float64 reference with the sink as
+    one more softmax column of value zero (torch_native has no sinks)."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=7)
+    batch = _batch(mr, mode)
+    layer = H.make_layer(g, 0)
+    sinks = torch.randn(g.num_heads, generator=torch.Generator().manual_seed(0)) * 3
+    ld = batch.layers[0]
+    backend = CompiledAttnBackend(mr)
+    with H.parallel_scope():
+        backend.init_forward_metadata(batch.forward_batch)
+        with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=batch.forward_batch):
+            out = layer(ld.q, ld.k, ld.v, batch.forward_batch, sinks=sinks)
+    ref = []
+    for i in range(batch.num_real_reqs):
+        k, v = (t.double() for t in H.request_kv(batch, i))
+        q = H.request_q(batch, i).double()
+        k, v = k.repeat_interleave(g.group_size, 1), v.repeat_interleave(g.group_size, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * g.sm_scale
+        qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+        s = s.masked_fill(torch.arange(k.shape[0])[None] > qpos, float("-inf"))
+        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
+        ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1)[..., :-1], v).reshape(q.shape[0], -1))
+    torch.testing.assert_close(out[:batch.num_real_tokens].double(), torch.cat(ref), atol=1e-5, rtol=1e-5)

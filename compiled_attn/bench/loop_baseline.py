@@ -18,13 +18,19 @@ def _sdpa(q, k, v, scale, causal):
     return out[0]
 
 
-def loop_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None) -> torch.Tensor:
-    """q: [bs, Hq, D] -> [bs, Hq, Dv]; one SDPA call per request."""
+def loop_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None, k_scale=None,
+                v_scale=None) -> torch.Tensor:
+    """q: [bs, Hq, D] -> [bs, Hq, Dv]; one SDPA call per request. A cache of another dtype (float8, a half cache
+    under a float32 query) is cast to q's dtype as torch_native does, then multiplied by k_scale/v_scale."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=False)):
         tokens = req_to_token[row, :n].long()
         k, v = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if k_scale is not None:
+            k, v = k * k_scale, v * v_scale
         out[i] = _sdpa(q[i][:, None], k, v, scale, causal=False)[:, 0]
     return out
 

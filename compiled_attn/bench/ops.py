@@ -17,6 +17,7 @@ from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from ..compile_policy import compile_step
 from ..decode import build_decode_index, decode_blocks
+from ..kv_dtype import FP8_DTYPES
 from ..metadata import DecodeInputs
 from ..plan import plan_decode
 from .batches import make_batch
@@ -27,6 +28,9 @@ from .ops_extend import COLUMNS as EXTEND_COLUMNS
 from .ops_extend import NEW_LENS, PREFIXES, SHAPES, bench_extend_case, matmul_gflops
 from .report import OneLineParser, int_at_least
 
+KV_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 
 def _copy_gbps(nbytes: int = 256 << 20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
@@ -34,8 +38,9 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / median(time_fn(lambda: dst.copy_(src), warmup=2, iters=5)) / 1e9
 
 
-def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k):
-    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale, v_shares_k=v_shares_k)
+def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None):
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
+                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale)
 
 
 def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
@@ -44,30 +49,39 @@ def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
     attention cannot beat (the physical bound column)."""
     slots = torch.cat([b.req_to_token[r, :n].long() for r, n in zip(b.rows.tolist(), lens, strict=True)])
     parts = [b.k_cache[slots].reshape(-1)] + ([] if mla else [b.v_cache[slots].reshape(-1)])
-    return torch.cat(parts)
+    out = torch.cat(parts)
+    # the same bytes summed as float32 (values do not matter): ATen's float sum streams at memory speed, while
+    # its integer and float8 sums are several times slower than a read
+    return out.view(torch.float32) if out.dtype != torch.float32 and out.numel() * out.element_size() % 4 == 0 else out
 
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
-               lens: list[int] | None = None, bound: bool = False) -> dict:
+               lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
+               kv_dtype: torch.dtype | None = None) -> dict:
     """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
     list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
-    after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s)."""
+    after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s).
+    ``page_size``: the cache's pages (SGLang's paged layout); ``kv_dtype``: the cache's dtype (default ``dtype``;
+    float8 caches are read with a scale of 0.5, the loop casting and scaling per request)."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)
     if lens is None:
         lens = (torch.randint(256, 2049, (bs,), generator=g).tolist() if lens_kind == "mixed" else [1024] * bs)
     elif len(lens) != bs:
         raise ValueError(f"bench_case: {len(lens)} lens for batch size {bs}")
+    kv_dtype = kv_dtype or dtype
     b = make_batch(lens, hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv, mla=shape.mla, dtype=dtype,
-                   seed=seed, decode=True)
+                   seed=seed, decode=True, page_size=page_size, kv_dtype=kv_dtype)
     q, k_cache, v_cache, table = b.q, b.k_cache, b.v_cache, b.req_to_token
     scale = shape.dqk ** -0.5
-    meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens)
-    args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla)
+    kv_scale = 0.5 if kv_dtype in FP8_DTYPES else None
+    meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, page_size=page_size)
+    args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla, page_size, kv_scale)
     compiled = compile_step(_decode_step)
 
     def loop():
-        return loop_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, scale=scale)
+        return loop_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, scale=scale, k_scale=kv_scale,
+                           v_scale=kv_scale)
 
     def eager():
         return _decode_step(*args)
@@ -86,12 +100,14 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     times = time_interleaved(fns, warmup=1, iters=iters)
     t = {k: median(v) for k, v in times.items()}
     kv_bytes = sum(lens) * shape.hkv * (shape.dqk + (0 if shape.mla else shape.dv)) * k_cache.element_size()
-    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "loop_ms": t["loop"] * 1e3,
+    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "page": page_size,
+           "kv": str(kv_dtype).replace("torch.", "").replace("float8_", "fp8_"), "loop_ms": t["loop"] * 1e3,
            "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
            "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
            "compiled_GBps": kv_bytes / t["compiled"] / 1e9, "tokens": sum(lens), "kv_bytes": kv_bytes}
     if bound:
         row["read_ms"] = t["read"] * 1e3
+        row["x_read"] = t["compiled"] / t["read"]
     return row
 
 
@@ -111,7 +127,12 @@ def _parse(argv):
     p.add_argument("--contend", type=int_at_least(0), default=0, metavar="N",
                    help="N processes spin on the CPU while timing (default 0)")
     p.add_argument("--iters", type=int_at_least(1), default=5)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="query (model) dtype")
+    p.add_argument("--page-size", nargs="+", type=int_at_least(1), default=[1],
+                   help="decode: KV cache page sizes (SGLang --page-size; default 1)")
+    p.add_argument("--kv-dtype", nargs="+", default=None, choices=list(KV_DTYPE_NAMES),
+                   help="decode: KV cache dtypes (default: --dtype); fp8 caches are read with scale 0.5")
     add_malloc_flag(p)
     return p.parse_args(argv)
 
@@ -127,10 +148,15 @@ def _run_cases(args) -> None:
     decode_ops = [op for op in ops if op in ("mha", "mla")]
     extend_ops = [op for op in ops if op in SHAPES]
     if decode_ops:
-        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype)
-                for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]]
-        cols = ["op", "bs", "lens", "loop_ms", "eager_ms", "compiled_ms", "eager_x", "compiled_x", "compiled_GBps"]
+        kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
+        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True)
+                for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
+                for page in args.page_size for kv in kv_dtypes]
+        cols = ["op", "bs", "lens", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
+                "compiled_x", "x_read", "compiled_GBps"]
         print(format_table(rows, cols), flush=True)
+        print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
+              "GBps: the cache bytes stored (in the cache's dtype) / compiled time")
     if extend_ops:
         rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
                 for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]

@@ -51,6 +51,7 @@ from .backend_util import (
     layer_logit_cap,
     layer_window,
 )
+from .speculative import forward_target_verify
 
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
@@ -283,7 +284,7 @@ class CompiledAttnBackend(AttentionBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         return q3, k_cache, v_cache, bool(layer.is_cross_attention)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         key = (None if cross else layer_window(layer), cross)
         state = self._state_for(forward_batch, decode=True)
@@ -301,18 +302,20 @@ class CompiledAttnBackend(AttentionBackend):
             state.decode[key] = index
         k_scale, v_scale = self._layer_scales(layer)
         o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
-                          v_shares_k=self.v_shares_k, k_scale=k_scale, v_scale=v_scale)
+                          v_shares_k=self.v_shares_k, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        if forward_batch.forward_mode.is_target_verify():  # k draft tokens per request (speculative.py)
+            return forward_target_verify(self, q3, k_cache, v_cache, layer, forward_batch)
         causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
         key = (layer_window(layer) if causal else None, cross, causal)
         fb = forward_batch
         if k_cache.shape[1:] != (layer.tp_k_head_num, layer.qk_head_dim):
             # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
             # save_kv_cache=False): attend over the batch's own K/V
-            return self._extend_over_given_kv(q3, k, v, layer, fb, key)
+            return self._extend_over_given_kv(q3, k, v, layer, fb, key, sinks)
         cap = layer_logit_cap(layer)
         flash = supports_tile_flash(q3, k_cache, v_cache, cap)
         state = self._state_for(fb, decode=False)
@@ -324,10 +327,10 @@ class CompiledAttnBackend(AttentionBackend):
             index = state.extend[(*key, flash)] = tile_index(self.req_to_token, meta, flash)
         k_scale, v_scale = self._layer_scales(layer)
         o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
-                         v_scale=v_scale)
+                         v_scale=v_scale, sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _extend_over_given_kv(self, q3, k, v, layer, fb, key):
+    def _extend_over_given_kv(self, q3, k, v, layer, fb, key, sinks=None):
         if k is None or v is None or key[1]:
             raise NotImplementedError(f"compiled_attn: layer {layer.layer_id}'s K shape "
                                       f"({layer.tp_k_head_num}, {layer.qk_head_dim}) does not match the KV pool")
@@ -347,5 +350,6 @@ class CompiledAttnBackend(AttentionBackend):
                            lens_dev, causal=key[2], sliding_window=key[0])
         cap = layer_logit_cap(layer)
         flash = supports_tile_flash(q3, k3, v3, cap)
-        o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash)
+        o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash,
+                         sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
