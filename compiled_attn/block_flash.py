@@ -77,7 +77,14 @@ def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
 def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
                 valid: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1, k_scale: float = 1.0,
                 v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each block's queries over that block's keys.
+    """``block_attention`` as one opaque op for ``torch.compile``."""
+    return block_attention(q, k_cache, v_cache, units, valid, scale, chunk_blocks, unit, k_scale, v_scale)
+
+
+def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+                    valid: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each block's queries over that block's keys (eager code: reads ``valid`` on the host).
 
     q: [nblk, Hkv, group, D] in the kernel's dtype (``kv_dtype.compute_dtype``; a block's queries: its request's
     heads, grouped by KV head); k_cache, v_cache: [num_slots, Hkv, D] (any ``kv_dtype.KV_DTYPES``, dequantised
@@ -129,10 +136,9 @@ def _block_flash_fake(q, k_cache, v_cache, units, valid, scale, chunk_blocks, un
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
-def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
-                   valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+                       valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's queries over one sequence of positions whose valid ones are one run: a decode request's
     blocks laid end to end (valid up to the request's end; a bucket's unused blocks follow; with a paged cache the
     first block may start before the request's first key, at its page's start). One gather and one kernel call,
@@ -154,6 +160,14 @@ def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
     o, lse = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
     return o.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
+def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+                   valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_attention`` as one opaque op for ``torch.compile``."""
+    return sequence_attention(q, k_cache, v_cache, units, valid, scale, unit, k_scale, v_scale)
 
 
 @sequence_flash.register_fake

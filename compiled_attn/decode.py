@@ -23,18 +23,11 @@ import torch
 from graphs import cdiv
 
 from . import validate
-from .block_flash import (
-    block_flash,
-    chunk_blocks_for,
-    sequence_flash,
-    supports_block_flash,
-)
+from .block_flash import chunk_blocks_for, supports_block_flash
+from .decode_flash import decode_flash
 from .kv_dtype import compute_dtype, dequantize
+from .merge import merge_partials
 from .metadata import DecodeInputs
-
-#: a single request is attended in one kernel call (no split, no merge) up to this many L2-sized chunks (16 MiB of
-#: float32 K: 4096 tokens of llama-3-8b's 8 KV heads); past it the chunked split form was faster
-SINGLE_REQUEST_CHUNKS = 16
 
 
 @dataclass
@@ -219,24 +212,15 @@ def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.d
 def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
                   scale: float, k_scale: float | None, v_scale: float | None,
                   sinks: torch.Tensor | None) -> torch.Tensor:
-    """``decode_blocks`` through ``block_flash``."""
+    """``decode_blocks`` through the one CPU op ``decode_flash`` (its docstring: which path runs when)."""
     bs, hq, d = q.shape
-    nblk, block_size = index.slots.shape
+    block_size = index.slots.shape[1]
     hkv = k_cache.shape[1]
     dtype = compute_dtype(q.dtype, k_cache.dtype)
-    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
-    chunk = chunk_blocks_for(block_size, hkv, d)
-    if bs == 1 and nblk <= SINGLE_REQUEST_CHUNKS * chunk:
-        # One request needs no split: all its blocks as one sequence, one kernel call, no merge (unused blocks
-        # of the bucket are skipped); faster than the split form up to this size (docs/performance.md).
-        o, lse = sequence_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs.view(-1),
-                                index.valid.view(-1), scale, index.unit, *scales)
-        return apply_sinks(o.float(), lse, sinks).reshape(1, hq, d).to(q.dtype)
-    o, lse = block_flash(_block_queries(q, index, hkv, dtype), k_cache, v_cache, index.runs, index.valid, scale,
-                         chunk, index.unit, *scales)
-    # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
-    out = merge_blocks(lse, torch.ones_like(lse), o, index.block_req, bs, sinks)
-    return out.reshape(bs, hq, d).to(q.dtype)
+    o = decode_flash(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
+                     index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit,
+                     1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
+    return o.reshape(bs, hq, d).to(q.dtype)
 
 
 @torch.library.custom_op("compiled_attn::merge_blocks", mutates_args=())
@@ -252,21 +236,7 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
     compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
     """
-    rows = num_rows + 1  # the extra row collects unused blocks
-    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path); a
-    # half-precision kernel's block outputs are merged in float32
-    m, lsum, o = m.contiguous(), lsum.contiguous(), o.float().contiguous()
-    lowest = torch.finfo(torch.float32).min
-    m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
-    m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
-    if sinks is not None:  # the sink is one more term of the row's max, so no exp() below can overflow
-        m_req = torch.maximum(m_req, sinks)
-    w = torch.exp(m - m_req.index_select(0, block_req))
-    acc = o.new_zeros((rows, *o.shape[1:])).index_add_(0, block_req, (o * w[..., None]).contiguous())
-    den = lsum.new_zeros((rows, *lsum.shape[1:])).index_add_(0, block_req, lsum * w)
-    if sinks is not None:
-        den = den + torch.exp(sinks - m_req)
-    return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
+    return merge_partials(m, lsum, o, block_req, num_rows, sinks)
 
 
 @merge_blocks.register_fake

@@ -51,12 +51,12 @@ def test_both_forms_match_reference(cpu_flash, heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("single_request_chunks", [0, 16])  # 0: a single request takes the split form too
+@pytest.mark.parametrize("single_request_chunks", [0, 16])  # 0: one-block segments, merged by log-sum-exp
 @pytest.mark.parametrize("length", [0, 1, 130])
 def test_single_request_both_ways(monkeypatch, length, single_request_chunks, dtype):
-    import compiled_attn.decode as decode
+    import compiled_attn.decode_flash as decode_flash
 
-    monkeypatch.setattr(decode, "SINGLE_REQUEST_CHUNKS", single_request_chunks)
+    monkeypatch.setattr(decode_flash, "SINGLE_REQUEST_CHUNKS", single_request_chunks)
     b = make_batch([length] if length else [3], hq=8, hkv=2, dqk=32, dtype=dtype, decode=True, seed=length)
     if not length:  # a query with no key: zeros
         b.seq_lens = torch.zeros(1, dtype=torch.int64)
@@ -64,6 +64,33 @@ def test_single_request_both_ways(monkeypatch, length, single_request_chunks, dt
     out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=12), 0.3, cpu_flash=True)
     assert out.dtype == dtype
     assert (out.double() - _reference(b, 0.3)).abs().max() < TOL[dtype]
+
+
+@pytest.mark.parametrize("path", ["dense", "blocks"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_batch_paths_agree(monkeypatch, path, page_size, with_sinks):
+    """A small batch runs padded in one kernel call ("dense"); forcing the split-and-merge path ("blocks") gives
+    the same answer, both equal to the float64 reference (sinks as one more softmax column)."""
+    import compiled_attn.decode_flash as decode_flash
+
+    if path == "blocks":
+        monkeypatch.setattr(decode_flash, "DENSE_BYTES", 0)
+    calls = []
+    monkeypatch.setattr(decode_flash, "_dense", lambda *a, _f=decode_flash._dense: calls.append(1) or _f(*a))
+    lens = [100, 120, 90, 1, 128]
+    b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=9, page_size=page_size)
+    sinks = torch.linspace(-3, 3, 8) if with_sinks else None
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=32,
+                       page_size=page_size, block_capacity=30, batch_capacity=7)
+    q = torch.cat([b.q, b.q[:2]])  # two padded rows, as in a graph bucket: row 0, empty range
+    out = decode_blocks(q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size), 0.3,
+                        cpu_flash=True, sinks=sinks)
+    assert bool(calls) == (path == "dense")
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.3, sinks=sinks)
+    torch.testing.assert_close(out[:len(lens)].double(), ref, atol=1e-5, rtol=1e-5)
+    assert (out[len(lens):] == 0).all()
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])

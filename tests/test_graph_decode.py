@@ -98,6 +98,7 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
     """On CPU the warm-up batch does each bucket's full work: the flash kernel runs in warm-up (on an all-padding
     batch it would skip everything and leave its first-call costs to the first request), on every key."""
     import compiled_attn.block_flash as block_flash
+    import compiled_attn.decode_flash as decode_flash
 
     calls = []
     real = block_flash._flash_cpu
@@ -106,6 +107,7 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
         return real(q, k, *args, **kwargs)
 
     monkeypatch.setattr(block_flash, "_flash_cpu", counting)
+    monkeypatch.setattr(decode_flash, "_flash_cpu", counting)  # its padded small-batch path calls it directly
     shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=512, compile=False)
     graphs.warmup(persistent)
     keys = [k for r in graphs.runners for k in r.keys]

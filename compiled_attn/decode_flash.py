@@ -1,0 +1,129 @@
+"""The whole CPU decode of one layer as one opaque op: ``decode_flash`` picks, on the host, the cheapest way to run
+the planned blocks through ATen's CPU flash kernel and returns the merged, normalised output.
+
+Why one op: at small batches the per-layer cost was dominated by fixed overheads (two custom-op dispatches, the
+block merge's dozen small ops, the per-block query copy), so a live engine at batch 1-2 ran slower than SGLang's
+per-request loop. The op reads the block table on the host (a CPU tensor in a CPU-only op: no device sync) and
+takes one of three paths, all returning the same result up to float rounding:
+
+- **one request**: its blocks laid end to end are one sequence, run as one kernel call without a mask; past
+  ``SINGLE_REQUEST_CHUNKS`` L2 chunks the sequence is cut into equal segments of at most that size whose
+  results are merged by their log-sum-exp (no step in time per token where a longer request switched to the
+  split-and-merge path).
+- **small batch**: each request's blocks padded to the longest request's count, one gather and one kernel call
+  with a mask, no merge, when that pads little (``DENSE_WASTE``) and the gathered K fits ``DENSE_BYTES``.
+- **otherwise**: ``block_attention`` (L2-sized chunks of blocks) and the log-sum-exp merge, in the op.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_flash import (
+    CHUNK_BYTES,
+    _flash_cpu,
+    _gather_kv,
+    _zero_masked,
+    block_attention,
+    sequence_attention,
+)
+from .merge import merge_partials
+
+#: a single request is run in one kernel call up to this many L2-sized chunks (16 MiB of float32 K: 4096 tokens
+#: of llama-3-8b's 8 KV heads); longer ones in equal segments of at most this size
+SINGLE_REQUEST_CHUNKS = 16
+#: padded (dense) batch: computed positions at most this multiple of the blocks the batch uses ...
+DENSE_WASTE = 1.25
+#: ... and its gathered float32 K at most this many bytes (larger gathers lose the L2 reuse of the chunked path)
+DENSE_BYTES = 4 * CHUNK_BYTES
+
+
+@torch.library.custom_op("compiled_attn::decode_flash", mutates_args=())
+def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                 valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
+                 k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per request over its planned KV blocks (``decode.DecodeIndex``), merged.
+
+    q: [bs, Hkv, group, D] in the kernel's dtype (``kv_dtype.compute_dtype``); k_cache, v_cache: [num_slots, Hkv, D];
+    runs: [nblk, block_size // unit] (``DecodeIndex.runs``); valid: [nblk, block_size] bool; block_req: [nblk]
+    (``bs`` for unused blocks); sinks: [Hkv, group] float32 or None.
+    returns [bs, Hkv, group, D] float32 (zeros for a request with no key).
+    """
+    bs = q.shape[0]
+    q = q.contiguous()  # the ATen kernel reads q through its strides unchecked
+    scales = (k_scale, v_scale)
+    counts = torch.bincount(block_req, minlength=bs + 1)[:bs]  # blocks per request (host: CPU-only op)
+    if bs == 1:
+        o, lse = _single_request(q, k_cache, v_cache, runs, valid, int(counts[0]), scale, chunk_blocks, unit, scales)
+        return _finish(o, lse, sinks)
+    widest = int(counts.max()) if bs else 0
+    used = int(counts.sum())
+    active = (counts > 0).nonzero().squeeze(1)  # a bucket's padding rows (empty ranges) take no part
+    n = active.shape[0]
+    dense_k_bytes = n * widest * valid.shape[1] * k_cache.shape[1] * k_cache.shape[2] * 4
+    if used and n * widest <= DENSE_WASTE * used and dense_k_bytes <= DENSE_BYTES:
+        o, lse = _dense(q if n == bs else q.index_select(0, active), k_cache, v_cache, runs, valid, counts,
+                        active, widest, scale, unit, scales)
+        o = _finish(o, lse, sinks)
+        return o if n == bs else o.new_zeros(q.shape).index_copy_(0, active, o)
+    qb = q.index_select(0, block_req.clamp_max(bs - 1))
+    o, lse = block_attention(qb, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, *scales)
+    # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
+    return merge_partials(lse, torch.ones_like(lse), o, block_req, bs, sinks)
+
+
+@decode_flash.register_fake
+def _decode_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit=1, k_scale=1.0,
+                       v_scale=1.0, sinks=None):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _finish(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Normalised ``o: [bs, Hkv, group, D]`` as float32, with the sinks joining each row's denominator."""
+    o = o.float()
+    if sinks is None:
+        return o
+    return o * torch.sigmoid(lse - sinks)[..., None]
+
+
+def _single_request(q, k_cache, v_cache, runs, valid, count, scale, chunk_blocks, unit, scales):
+    """One request's ``count`` blocks (the first ones of the table) as one sequence, or as equal segments of at
+    most ``SINGLE_REQUEST_CHUNKS`` chunks merged by log-sum-exp. -> o [1, Hkv, group, D], lse [1, Hkv, group]."""
+    if count == 0:
+        return q.new_zeros(q.shape), q.new_full(q.shape[:3], torch.finfo(torch.float32).min, dtype=torch.float32)
+    limit = max(1, SINGLE_REQUEST_CHUNKS * chunk_blocks)
+    segments = max(1, -(-count // limit))
+    per = -(-count // segments)  # equal segments: no short tail segment that costs a kernel call for little work
+    flat_runs, flat_valid = runs[:count].reshape(-1), valid[:count].reshape(-1)
+    block_size = valid.shape[1]
+    parts = []
+    for s in range(0, count, per):
+        lo, hi = s * block_size, min(s + per, count) * block_size
+        parts.append(sequence_attention(q, k_cache, v_cache, flat_runs[lo // unit:hi // unit], flat_valid[lo:hi],
+                                        scale, unit, *scales))
+    if len(parts) == 1:
+        return parts[0]
+    o = torch.stack([p[0].float() for p in parts])  # [S, 1, Hkv, group, D]
+    lse = torch.stack([p[1] for p in parts])  # [S, 1, Hkv, group]
+    total = torch.logsumexp(lse, 0)
+    return (o * torch.exp(lse - total)[..., None]).sum(0), total
+
+
+def _dense(q, k_cache, v_cache, runs, valid, counts, active, widest, scale, unit, scales):
+    """The ``active`` requests' blocks (those with a key; q holds their rows) padded to ``widest`` and run as one
+    batch: one gather each for K and V, one kernel call, a mask for the padding. -> o [n, Hkv, group, D], lse."""
+    bs = q.shape[0]
+    block_size = valid.shape[1]
+    firsts = (torch.cumsum(counts, 0) - counts)[active]
+    counts = counts[active]
+    j = torch.arange(widest)
+    # a padding block repeats the request's last block (finite keys it owns), masked out below
+    blocks = firsts[:, None] + torch.minimum(j[None, :], (counts - 1).clamp_min(0)[:, None])  # [bs, widest]
+    dense_valid = (valid[blocks] & (j[None, :] < counts[:, None])[..., None]).reshape(bs, widest * block_size)
+    length = widest * block_size
+    k, v = _gather_kv(k_cache, v_cache, runs[blocks].reshape(-1), unit, bs, length, q.dtype, *scales)
+    bias = None
+    if not bool(dense_valid.all()):
+        if unit > 1:
+            _zero_masked(k, v, dense_valid)
+        bias = torch.where(dense_valid, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
+    return _flash_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)

@@ -1,0 +1,29 @@
+"""The log-sum-exp merge of partial softmaxes (split-KV blocks, extend tiles, long single-request segments)."""
+from __future__ import annotations
+
+import torch
+
+
+def merge_partials(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req: torch.Tensor, num_rows: int,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge per-block partial softmaxes into one output per row (``decode.merge_blocks`` is this as an op).
+
+    m, lsum: [nblk, Hkv, group] block max and sum of exp; o: [nblk, Hkv, group, Dv] block's unnormalised output;
+    block_req: [nblk] row of each block, ``num_rows`` for unused blocks; sinks: [Hkv, group] float32 logits that
+    join every row's denominator, or None -> [num_rows, Hkv, group, Dv] float32.
+    """
+    rows = num_rows + 1  # the extra row collects unused blocks
+    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path); a
+    # half-precision kernel's block outputs are merged in float32
+    m, lsum, o = m.contiguous(), lsum.contiguous(), o.float().contiguous()
+    lowest = torch.finfo(torch.float32).min
+    m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
+    m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
+    if sinks is not None:  # the sink is one more term of the row's max, so no exp() below can overflow
+        m_req = torch.maximum(m_req, sinks)
+    w = torch.exp(m - m_req.index_select(0, block_req))
+    acc = o.new_zeros((rows, *o.shape[1:])).index_add_(0, block_req, (o * w[..., None]).contiguous())
+    den = lsum.new_zeros((rows, *lsum.shape[1:])).index_add_(0, block_req, lsum * w)
+    if sinks is not None:
+        den = den + torch.exp(sinks - m_req)
+    return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
