@@ -24,7 +24,7 @@ from graphs import cdiv
 
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
-from .decode_flash import decode_flash
+from .decode_flash import decode_flash, decode_flash_eager
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -217,9 +217,11 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_size = index.slots.shape[1]
     hkv = k_cache.shape[1]
     dtype = compute_dtype(q.dtype, k_cache.dtype)
-    o = decode_flash(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
-                     index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit,
-                     1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
+    # eager: the op's body directly (the custom-op dispatch cost as much as a small request's kernel call)
+    run = decode_flash if torch.compiler.is_compiling() else decode_flash_eager
+    o = run(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
+            index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit,
+            1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
     return o.reshape(bs, hq, d).to(q.dtype)
 
 

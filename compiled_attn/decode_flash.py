@@ -41,7 +41,17 @@ DENSE_BYTES = 4 * CHUNK_BYTES
 def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                  valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
                  k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per request over its planned KV blocks (``decode.DecodeIndex``), merged.
+    """``decode_flash_eager`` as one opaque op for ``torch.compile``."""
+    return decode_flash_eager(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit, k_scale,
+                              v_scale, sinks)
+
+
+def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                       valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
+                       k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """One query per request over its planned KV blocks (``decode.DecodeIndex``), merged. Called directly when
+    not compiling: the custom-op dispatch cost as much as a small request's kernel call.
 
     q: [bs, Hkv, group, D] in the kernel's dtype (``kv_dtype.compute_dtype``); k_cache, v_cache: [num_slots, Hkv, D];
     runs: [nblk, block_size // unit] (``DecodeIndex.runs``); valid: [nblk, block_size] bool; block_req: [nblk]
@@ -51,10 +61,10 @@ def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     bs = q.shape[0]
     q = q.contiguous()  # the ATen kernel reads q through its strides unchecked
     scales = (k_scale, v_scale)
-    counts = torch.bincount(block_req, minlength=bs + 1)[:bs]  # blocks per request (host: CPU-only op)
     if bs == 1:
-        o, lse = _single_request(q, k_cache, v_cache, runs, valid, int(counts[0]), scale, chunk_blocks, unit, scales)
+        o, lse = _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales)
         return _finish(o, lse, sinks)
+    counts = torch.bincount(block_req, minlength=bs + 1)[:bs]  # blocks per request (host: CPU-only op)
     widest = int(counts.max()) if bs else 0
     used = int(counts.sum())
     active = (counts > 0).nonzero().squeeze(1)  # a bucket's padding rows (empty ranges) take no part
@@ -85,16 +95,20 @@ def _finish(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> t
     return o * torch.sigmoid(lse - sinks)[..., None]
 
 
-def _single_request(q, k_cache, v_cache, runs, valid, count, scale, chunk_blocks, unit, scales):
-    """One request's ``count`` blocks (the first ones of the table) as one sequence, or as equal segments of at
-    most ``SINGLE_REQUEST_CHUNKS`` chunks merged by log-sum-exp. -> o [1, Hkv, group, D], lse [1, Hkv, group]."""
+def _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales):
+    """One request's blocks (the first ones of the table, valid positions one run) as one sequence, or as equal
+    segments of at most ``SINGLE_REQUEST_CHUNKS`` chunks merged by log-sum-exp. -> o [1, Hkv, group, D], lse."""
+    nblk, block_size = valid.shape
+    flat_runs, flat_valid = runs.reshape(-1), valid.reshape(-1)
+    if nblk <= SINGLE_REQUEST_CHUNKS * chunk_blocks:  # the common case: no count needed, one call
+        return sequence_attention(q, k_cache, v_cache, flat_runs, flat_valid, scale, unit, *scales)
+    n = int(flat_valid.sum())
+    count = -(-(int(flat_valid.int().argmax()) + n) // block_size) if n else 0  # blocks up to the last valid one
     if count == 0:
         return q.new_zeros(q.shape), q.new_full(q.shape[:3], torch.finfo(torch.float32).min, dtype=torch.float32)
     limit = max(1, SINGLE_REQUEST_CHUNKS * chunk_blocks)
     segments = max(1, -(-count // limit))
     per = -(-count // segments)  # equal segments: no short tail segment that costs a kernel call for little work
-    flat_runs, flat_valid = runs[:count].reshape(-1), valid[:count].reshape(-1)
-    block_size = valid.shape[1]
     parts = []
     for s in range(0, count, per):
         lo, hi = s * block_size, min(s + per, count) * block_size

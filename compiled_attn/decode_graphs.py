@@ -72,6 +72,9 @@ class GraphConfig:
     # the first run compiles and nothing is captured, so a second run only lengthens start-up
     warmup_iters: int | None = None
     progress: bool = True
+    # CPU compiled replay: time the compiled and the eager step on each bucket at warm-up and replay the faster
+    # (GraphRunner's eager_fn); off: always the compiled step
+    measure_compile: bool = True
 
     def __post_init__(self):
         # every field checked here, so a bad value names itself instead of failing inside the bucket maths
@@ -155,7 +158,9 @@ class DecodeGraphs:
                     fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
                     use_cuda_graph=use_graph, compile_fn=None, fallback_fn=lambda i, p: fallback(i, p),
                     warmup_iters=config.warmup_iters or (2 if use_graph else 1),
-                    progress=config.progress))
+                    progress=config.progress,
+                    # CPU: each bucket replays whichever of the compiled and the eager step measured faster
+                    eager_fn=step_fn if fn is not None and config.measure_compile else None))
         self._runner_of = {k: r for r in self.runners for k in r.keys}
 
     def _reachable(self, key: tuple[int, int]) -> bool:
@@ -249,3 +254,7 @@ class DecodeGraphs:
     @property
     def stats(self):
         return [r.stats for r in self.runners]
+
+    def choices(self) -> dict[tuple[int, int], str]:
+        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
+        return {k: c for r in self.runners for k, c in r.choices().items()}

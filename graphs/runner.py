@@ -65,6 +65,7 @@ class _Entry:
     attrs: dict[str, Any]
     graph: Any = None  # torch.cuda.CUDAGraph (Any: the type exists on CPU builds, but is unusable there)
     outputs: Outputs | None = None
+    fn: StepFn | None = None  # the form this bucket replays (the runner's step unless ``eager_fn`` measured faster)
 
 
 @dataclass
@@ -129,7 +130,15 @@ class GraphRunner:
     progress:     show a tqdm bar naming the bucket during ``warmup``.
     recapture_on_change: on the CUDA-graph path, when a persistent tensor was replaced (address, shape, stride,
                   dtype or device), re-capture every graph (True) or raise RuntimeError (False).
+    eager_fn:     on the compiled-replay path, the uncompiled step: warm-up times it against the compiled one on
+                  each bucket's warm-up batch (``measure_iters`` interleaved runs each, medians) and the bucket
+                  replays the faster (the compiled one unless the eager one is faster by ``EAGER_MARGIN``). On CPU
+                  a compiled step is not always the faster one; the choice and both times are in ``warmup``'s
+                  timings (``choice``, ``compiled_s``, ``eager_s``).
     """
+
+    #: the eager step must beat the compiled one by this fraction to be chosen (noise must not flip a choice)
+    EAGER_MARGIN = 0.05
 
     def __init__(
         self,
@@ -144,6 +153,8 @@ class GraphRunner:
         warmup_iters: int = 2,
         progress: bool = True,
         recapture_on_change: bool = True,
+        eager_fn: StepFn | None = None,
+        measure_iters: int = 3,
     ) -> None:
         self.device = _normalize_device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -166,6 +177,8 @@ class GraphRunner:
         # compile_fn is applied exactly once: every bucket and the fallback share one compiled function.
         self._fn: StepFn = compile_fn(step_fn) if compile_fn is not None else step_fn
         self._fallback: StepFn = fallback_fn if fallback_fn is not None else self._fn
+        self._eager = eager_fn if not self.use_cuda_graph else None  # a captured graph's launch cost is gone anyway
+        self.measure_iters = max(1, int(measure_iters))
         self._entries: dict[Key, _Entry] = {}
         self._signatures: dict[str, tuple] | None = None  # None until warmup: run() refuses to start
         self._pool: Any = None
@@ -229,6 +242,10 @@ class GraphRunner:
                 self._fn(inputs, persistent)
             synchronize(self.device)
             times["compile_s"], times["warmup_s"] = t1 - t0, time.perf_counter() - t1
+        entry.fn = self._fn
+        if self._eager is not None and self._eager is not self._fn:
+            with prof_range("measure", **attrs):
+                times.update(self._choose(entry, persistent))
         if self.use_cuda_graph:
             t0 = time.perf_counter()
             with prof_range("capture", **attrs):
@@ -236,6 +253,27 @@ class GraphRunner:
                 entry.outputs = _check_outputs(out)
             times["capture_s"] = time.perf_counter() - t0
         return times
+
+    def _choose(self, entry: _Entry, persistent: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Time the compiled and the eager step on this bucket's warm-up batch, round-robin; keep the faster."""
+        inputs = entry.buffers.tensors
+        self._eager(inputs, persistent)  # its own first-call costs stay out of the timing
+        samples: dict[str, list[float]] = {"compiled": [], "eager": []}
+        for _ in range(self.measure_iters):
+            for name, fn in (("compiled", self._fn), ("eager", self._eager)):
+                t0 = time.perf_counter()
+                fn(inputs, persistent)
+                synchronize(self.device)
+                samples[name].append(time.perf_counter() - t0)
+        compiled_s, eager_s = (sorted(v)[len(v) // 2] for v in samples.values())
+        choice = "eager" if eager_s < compiled_s * (1 - self.EAGER_MARGIN) else "compiled"
+        entry.fn = self._eager if choice == "eager" else self._fn
+        return {"choice": choice, "compiled_s": compiled_s, "eager_s": eager_s}
+
+    def choices(self) -> dict[Key, str]:
+        """Which form each warmed bucket replays: "compiled", "eager" (measured faster) or "captured"."""
+        return {k: "captured" if e.graph is not None else "eager" if e.fn is self._eager else "compiled"
+                for k, e in self._entries.items()}
 
     def _new_buffers(self, key: Key) -> StaticBuffers:
         buffers = self._make_buffers(key)
@@ -265,7 +303,7 @@ class GraphRunner:
                 entry.graph.replay()
                 out = entry.outputs
             else:
-                out = self._fn(entry.buffers.tensors, dict(persistent))
+                out = (entry.fn or self._fn)(entry.buffers.tensors, dict(persistent))
         self.stats.replays += 1
         return out
 

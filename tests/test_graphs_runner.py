@@ -287,6 +287,36 @@ def test_warmup_iters_and_compile_called_once(persistent):
     assert calls == {"step": 3 * len(POLICY.keys()), "compile": 1}
 
 
+@pytest.mark.parametrize("slow", ["compiled", "eager"])
+def test_each_bucket_replays_the_form_measured_faster(persistent, slow):
+    """With ``eager_fn`` the CPU warm-up times both forms per bucket and keeps the faster; the slow form here
+    sleeps 20 ms per call (a margin no scheduler noise reaches). Outputs are the same either way."""
+    import time as _time
+
+    calls = {"compiled": 0, "eager": 0}
+
+    def form(name):
+        def step(inputs, pers):
+            calls[name] += 1
+            if name == slow:
+                _time.sleep(0.02)
+            return toy_step(inputs, pers)
+        return step
+
+    keys = [(1, 16), (4, 32)]
+    runner = GraphRunner(form("compiled"), make_buffers=make_buffers_on("cpu"), keys=keys, device="cpu",
+                         use_cuda_graph=False, progress=False, eager_fn=form("eager"), measure_iters=2)
+    timings = runner.warmup(persistent)
+    fast = "eager" if slow == "compiled" else "compiled"
+    assert runner.choices() == {k: fast for k in keys}
+    for k in keys:
+        assert timings[k]["choice"] == fast and timings[k][f"{slow}_s"] > timings[k][f"{fast}_s"] + 0.01
+    before = dict(calls)
+    real = real_batch(3, 20, gen=torch.Generator().manual_seed(1))
+    assert_outputs_match(runner.run_sliced(key_for(real), real, persistent), real, persistent, 3)
+    assert calls[fast] == before[fast] + 1 and calls[slow] == before[slow]
+
+
 def test_progress_bar_names_the_bucket(persistent, capsys):
     runner = GraphRunner(
         toy_step, make_buffers=make_buffers_on("cpu"), keys=[(4, 16), (2, 32)], device="cpu",

@@ -103,8 +103,13 @@ def run(args) -> dict:
         med = median(time_fn(lambda: cold(inputs, persistent), warmup=0, iters=args.iters, sync=sync))
         rows.append({"bs": f"{args.batch_size[0]} (no warm-up)", "first_ms": first * 1e3, "median_ms": med * 1e3,
                      "first/median": first / med})
+    # per bucket: its first (compiling) run, and which form it replays (warm-up measured compiled vs eager on CPU)
+    per_bucket = [{"bs": k[0], "kv_tokens": k[1], "compile_s": round(t["compile_s"], 3),
+                   "choice": t.get("choice", "captured" if dev.type == "cuda" else "compiled"),
+                   **{f"{n}_ms": round(t[f"{n}_s"] * 1e3, 3) for n in ("compiled", "eager") if f"{n}_s" in t}}
+                  for k, t in timings.items()]
     return {"model": args.model, "layers": args.layers, "length": args.length, "warmup_s": warmup_s,
-            "buckets": len(timings), "rows": rows, "device": str(dev)}
+            "buckets": len(timings), "rows": rows, "device": str(dev), "per_bucket": per_bucket}
 
 
 def _restart(argv: list[str]) -> int:
@@ -159,6 +164,11 @@ def main(argv=None) -> int:
     print(f"{args.model} x{args.layers} layers, context {args.length}: warm-up {result['warmup_s']:.1f} s for "
           f"{result['buckets']} buckets")
     print(format_table(result["rows"], ["bs", "first_ms", "median_ms", "first/median", "eager_ms", "eager/compiled"]))
+    slowest = sorted(result["per_bucket"], key=lambda b: -b["compile_s"])[:3]
+    eager = [f"{b['bs']}x{b['kv_tokens']}" for b in result["per_bucket"] if b["choice"] == "eager"]
+    firsts = ", ".join("{}x{} {:.1f} s".format(b["bs"], b["kv_tokens"], b["compile_s"]) for b in slowest)
+    print(f"slowest first runs (compile): {firsts}; buckets replaying the eager step (measured faster at "
+          f"warm-up): {', '.join(eager) or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
