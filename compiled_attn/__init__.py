@@ -19,6 +19,8 @@ _EXPORTS = {
     "metadata": ["DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata"],
     "plan": ["DEFAULT_BLOCK_SIZE", "normalize_window", "plan_decode", "plan_extend"],
     "decode_graphs": ["DecodeGraphs", "GraphConfig", "RowInput"],
+    "verify": ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "plan_verify", "verify_attention",
+               "verify_blocks"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

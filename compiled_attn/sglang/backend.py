@@ -308,7 +308,7 @@ class CompiledAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         if forward_batch.forward_mode.is_target_verify():  # k draft tokens per request (speculative.py)
-            return forward_target_verify(self, q3, k_cache, v_cache, layer, forward_batch)
+            return forward_target_verify(self, q3, k_cache, v_cache, layer, forward_batch, sinks)
         causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
         key = (layer_window(layer) if causal else None, cross, causal)
         fb = forward_batch

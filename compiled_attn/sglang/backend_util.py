@@ -58,9 +58,8 @@ def host_int64(cpu_copy, tensor) -> torch.Tensor:
 
 def check_mode(mode) -> None:
     name = getattr(mode, "name", str(mode))
-    if name in ("TARGET_VERIFY", "DRAFT_EXTEND_V2", "DLLM_EXTEND"):
-        raise NotImplementedError(f"compiled_attn: forward mode {name} (speculative decoding / dLLM) is not "
-                                  "supported yet")
+    if name == "DLLM_EXTEND":  # TARGET_VERIFY and DRAFT_EXTEND_V2 (speculative decoding): speculative.py
+        raise NotImplementedError(f"compiled_attn: forward mode {name} (dLLM) is not supported yet")
 
 
 def check_kwargs(kwargs) -> None:

@@ -1,0 +1,103 @@
+"""Speculative verify (``k`` draft tokens per request) against ``k`` decode steps and the per-request loop.
+
+One case: ``bs`` requests at llama-3-8b's attention shape (32/8 heads x 128), cached prefixes mixed 256..2048, ``k``
+draft tokens each, as a chain (topk 1) or a random tree. Timed round-robin (``time_interleaved``), all compiled
+where ours:
+  * ``verify``:  ``verify_blocks`` over the batch (the prefix read once for all ``k`` queries), index included;
+  * ``decode1``: one decode step of the batch (``decode_blocks``, index included): the target is verify <= 1.5x;
+  * ``decodek``: ``k`` decode steps (the draft tokens one at a time, as without verify);
+  * ``loop``:    per request, SDPA of its ``k`` queries over its ``prefix + k`` keys with the bool mask (the
+    efficient per-request form; SGLang's torch_native has no verify, and its extend algorithm pads the queries to
+    the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only).
+"""
+from __future__ import annotations
+
+import torch
+
+from profiling.timers import median, time_interleaved
+
+from ..compile_policy import compile_step
+from ..decode import build_decode_index, decode_blocks
+from ..plan import plan_decode
+from ..verify import build_verify_index, plan_verify, verify_blocks
+from .batches import make_batch
+from .models import get_attention_shape
+
+COLUMNS = ["op", "bs", "k", "mask", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms", "x_decode1", "decodek_x",
+           "loop_x", "tokens"]
+
+
+def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
+    """[k, k] bool ancestor-or-self mask of a random tree over the draft tokens (token 0 the root, each later
+    token's parent an earlier one): query ``i`` sees draft key ``j`` when ``j`` is on its path to the root."""
+    mask = torch.eye(k, dtype=torch.bool)
+    for i in range(1, k):
+        parent = int(torch.randint(0, i, (1,), generator=g))
+        mask[i] |= mask[parent]
+    return mask
+
+
+def _verify_step(q, k_cache, v_cache, table, inputs, scale):
+    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), scale)
+
+
+def _decode_step(q, k_cache, v_cache, table, inputs, scale):
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale)
+
+
+def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale):
+    """Per request: gather its ``prefix + k`` keys, one SDPA of its ``k`` queries with the [k, prefix + k] mask."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out = []
+    for b, (row, p) in enumerate(zip(rows.tolist(), prefix.tolist(), strict=True)):
+        slots = table[row, : p + k].long()
+        kk, vv = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+        m = torch.ones(k, p + k, dtype=torch.bool)
+        m[:, p:] = mask[b]
+        qq = q[b * k:(b + 1) * k].transpose(0, 1)[None]
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=m, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0, name: str = "mha") -> dict:
+    """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
+    ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop)."""
+    shape = get_attention_shape(name)
+    g = torch.Generator().manual_seed(seed + bs)  # the same prefixes for every k and mask at one batch size
+    prefix = torch.randint(256, 2049, (bs,), generator=g)
+    b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv,
+                   seed=seed)
+    q, kc, vc, table, rows = b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows
+    scale = shape.dqk ** -0.5
+    mask = (torch.stack([random_tree(k, g) for _ in range(bs)]) if tree
+            else torch.ones(k, k, dtype=torch.bool).tril().expand(bs, k, k))
+    meta = plan_verify(q, kc, vc, table, rows, prefix, k, mask.reshape(-1) if tree else None)
+    verify = compile_step(_verify_step)
+    decode = compile_step(_decode_step)
+    q1 = q.view(bs, k, shape.hq, shape.dqk)
+    # decode step j: the j-th draft token over the prefix and the j drafts before it (a chain's decode)
+    steps = [(q1[:, j].contiguous(), plan_decode(q1[:, j], kc, vc, table, rows, prefix + j + 1).inputs)
+             for j in range(k)]
+
+    def run_verify():
+        return verify(q, kc, vc, table, meta.inputs, scale)
+
+    def run_decode1():
+        return decode(steps[0][0], kc, vc, table, steps[0][1], scale)
+
+    def run_decodek():
+        return [decode(qj, kc, vc, table, inputs, scale) for qj, inputs in steps]
+
+    def run_loop():
+        return _loop(q, kc, vc, table, rows, prefix, k, mask, scale)
+
+    torch.testing.assert_close(run_verify(), run_loop(), atol=2e-4, rtol=2e-4)
+    times = time_interleaved({"verify": run_verify, "decode1": run_decode1, "decodek": run_decodek,
+                              "loop": run_loop}, warmup=2, iters=iters)
+    t = {n: median(v) for n, v in times.items()}
+    return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain",
+            "verify_ms": t["verify"] * 1e3, "decode1_ms": t["decode1"] * 1e3, "decodek_ms": t["decodek"] * 1e3,
+            "loop_ms": t["loop"] * 1e3, "x_decode1": t["verify"] / t["decode1"],
+            "decodek_x": t["decodek"] / t["verify"], "loop_x": t["loop"] / t["verify"],
+            "tokens": int(prefix.sum()) + bs * k}

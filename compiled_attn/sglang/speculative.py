@@ -1,0 +1,108 @@
+"""Speculative decoding in the SGLang backend: ``TARGET_VERIFY`` through ``compiled_attn.verify``.
+
+What SGLang 0.5.23 hands a backend in ``TARGET_VERIFY`` (read from its triton and intel_amx backends and
+``speculative/eagle_info.py``, ``eagle_utils.py``):
+  * ``forward_batch.seq_lens``: each request's cached length WITHOUT the draft tokens (triton reads the prefix's
+    ``kv_indices`` over ``seq_lens`` and sizes the mask ``k * (seq_lens + k)``; intel_amx adds ``k`` itself);
+  * ``spec_info.draft_token_num`` (k, the same for the batch), ``spec_info.custom_mask`` (flat bool) and the tree
+    shape (``tree_topk`` / ``topk``: 1 is a chain, whose mask is the causal one);
+  * q/k/v: ``bs * k`` tokens in request order; the draft K/V are written at ``out_cache_loc`` (``bs * k`` slots,
+    request-major), which is where the draft block reads them (the table holds the same slots).
+The custom mask's layout is the tree-mask mode SGLang's draft stage picks: a backend without its own
+``verify_mask`` (this one) gets ``default_tree_mask_mode()``: ``QLEN_ONLY`` on CPU (``[k, k]`` per request, our
+``"draft"`` layout), ``FULL_MASK`` elsewhere (``[k, prefix + k]`` per request, ``"full"``). As the triton kernel
+(``skip_prefix_custom_mask``), the prefix columns of a full mask are not read: the prefix is always visible.
+
+``DRAFT_EXTEND_V2`` needs nothing here: SGLang gives it ``extend_prefix_lens`` / ``extend_seq_lens`` (each
+request's ``num_draft_tokens`` new tokens after its prefix, ``seq_lens`` including them) and the triton backend
+runs it as a plain causal extend, so the backend's extend path serves it.
+
+Graphs: SGLang's CPU graph runner captures decode only; CUDA-graph capture of ``TARGET_VERIFY`` is refused by
+the backend's graph hooks (``init_forward_metadata_out_graph``), so verify runs eagerly or under the model's
+``torch.compile``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..verify import VerifyIndex, build_verify_index, full_mask_numel, plan_verify, verify_blocks
+from .backend_util import host_int64, layer_logit_cap, layer_window
+
+VERIFY_KEY = ("verify",)  # the verify index's key in the forward state's extend dict (one per forward)
+
+
+def draft_len_of(spec_info) -> int:
+    """k: ``spec_info.draft_token_num`` (SGLang's ``num_tokens_per_req`` when that is set and positive)."""
+    if spec_info is None:
+        raise ValueError("compiled_attn: TARGET_VERIFY needs forward_batch.spec_info (draft_token_num, custom_mask)")
+    k = getattr(spec_info, "num_tokens_per_req", -1)
+    k = k if isinstance(k, int) and k > 0 else getattr(spec_info, "draft_token_num", None)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"compiled_attn: spec_info.draft_token_num must be an int >= 1, got {k!r}")
+    return k
+
+
+def is_chain(spec_info) -> bool:
+    """A chain (topk 1) needs no mask: its visibility is the causal one. NGRAM's irregular trees say -1."""
+    topk = getattr(spec_info, "tree_topk", getattr(spec_info, "topk", -1))
+    mask = getattr(spec_info, "custom_mask", None)
+    return topk == 1 or mask is None or mask.numel() == 0
+
+
+def mask_layout(device: torch.device) -> str:
+    """The layout of ``spec_info.custom_mask`` a backend without a ``verify_mask`` receives (module docstring)."""
+    try:
+        from sglang.srt.speculative.eagle_utils import TreeMaskMode, default_tree_mask_mode
+        mode = default_tree_mask_mode()
+    except Exception:  # an SGLang without the function: its rule, CPU -> QLEN_ONLY
+        return "draft" if device.type == "cpu" else "full"
+    if mode == TreeMaskMode.QLEN_ONLY:
+        return "draft"
+    if mode == TreeMaskMode.FULL_MASK:
+        return "full"
+    raise NotImplementedError(f"compiled_attn: tree mask mode {mode!r} is not supported (QLEN_ONLY or FULL_MASK)")
+
+
+def _mask_of(spec_info, prefix: torch.Tensor, k: int, layout: str) -> torch.Tensor:
+    """The batch's part of the custom mask: SGLang may hand a pre-allocated buffer longer than the batch needs."""
+    mask = spec_info.custom_mask
+    need = prefix.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix, k)
+    return mask[:need] if mask.numel() > need else mask
+
+
+def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
+    """Plan the verify batch and build its index (host checks, once per forward; later layers reuse it)."""
+    spec = getattr(forward_batch, "spec_info", None)
+    k = draft_len_of(spec)
+    prefix = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
+    bs = prefix.shape[0]
+    mask, layout = None, "draft"
+    if not is_chain(spec):
+        layout = mask_layout(q3.device)
+        mask = _mask_of(spec, prefix, k, layout)
+    meta = plan_verify(q3, k_cache, v_cache, backend.req_to_token, forward_batch.req_pool_indices,
+                       prefix.to(q3.device), k, mask, mask_layout=layout, page_size=backend.page_size)
+    index = build_verify_index(backend.req_to_token, meta.inputs, backend.page_size)
+    loc = forward_batch.out_cache_loc
+    if loc is not None and loc.numel() == bs * k:  # where this forward wrote the draft K/V (the table agrees)
+        index = replace(index, draft_slots=loc.view(bs, k).to(torch.int64))
+    return index
+
+
+def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, sinks=None) -> torch.Tensor:
+    """One layer of ``TARGET_VERIFY``: q3 [bs * k, Hq, Dqk] over the pool -> [bs * k, Hq * Dv]."""
+    if sinks is not None:  # refused rather than dropped: an output without the sink term would be silently wrong
+        raise NotImplementedError("compiled_attn: TARGET_VERIFY with attention sinks is not supported yet")
+    if layer.is_cross_attention or layer_window(layer) is not None:
+        raise NotImplementedError("compiled_attn: TARGET_VERIFY with sliding-window or cross-attention layers is "
+                                  "not supported yet")
+    state = backend._state_for(forward_batch, decode=False)
+    index = state.extend.get(VERIFY_KEY)
+    if index is None:
+        index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)
+    k_scale, v_scale = backend._layer_scales(layer)
+    o = verify_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
+                      v_shares_k=backend.v_shares_k, k_scale=k_scale, v_scale=v_scale)
+    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -1,0 +1,177 @@
+"""Speculative decoding through our SGLang backend: ``TARGET_VERIFY`` (k draft tokens per request, chain or tree
+mask in both of SGLang's mask layouts) and ``DRAFT_EXTEND_V2`` (a plain extend), on hand-built ``ForwardBatch``es
+run layer by layer through ``RadixAttention``, against a float64 reference built from the same batch (SGLang's
+``torch_native`` backend does not run these modes). Skipped where SGLang isn't installed.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import compiled_attn.sglang.testing as H
+
+H.ensure_sglang_importable()
+pytest.importorskip("sglang")
+
+from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
+from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
+
+SG = H.import_sglang()
+PREFIX = [5, 0, 40, 17]
+K = 4
+
+
+def _tree_masks(bs: int, k: int, seed: int) -> torch.Tensor:
+    """[bs, k, k] ancestor-or-self masks of random trees (token 0 the root)."""
+    g = torch.Generator().manual_seed(seed)
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for b in range(bs):
+        masks[b] = torch.eye(k, dtype=torch.bool)
+        for i in range(1, k):
+            masks[b, i] |= masks[b, int(torch.randint(0, i, (1,), generator=g))]
+    return masks
+
+
+def _flat_mask(masks: torch.Tensor, prefix: list[int], layout: str) -> torch.Tensor:
+    """SGLang's flat custom mask: QLEN_ONLY ("draft") [k, k] per request, FULL_MASK [k, prefix + k] per request
+    (prefix columns True, as SGLang's tree builder fills them)."""
+    if layout == "draft":
+        return masks.reshape(-1)
+    k = masks.shape[1]
+    parts = [torch.cat([torch.ones(k, p, dtype=torch.bool), m], 1).reshape(-1) for p, m in zip(prefix, masks,
+                                                                                           strict=True)]
+    return torch.cat(parts)
+
+
+def _verify_batch(mr, prefix, k, spec_info, layer_ids=(0,)):
+    """A TARGET_VERIFY batch: the prefix K/V in the pool (every layer), k new tokens per request; seq_lens
+    WITHOUT the draft tokens, as SGLang passes them."""
+    b = H.make_extend_batch(mr, [k] * len(prefix), prefix, layer_ids=layer_ids)
+    bs = len(prefix)
+    lens = torch.tensor(prefix, dtype=torch.int64)
+    b.forward_batch = SG.ForwardBatch(
+        forward_mode=SG.ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=torch.zeros(bs * k, dtype=torch.int64),
+        req_pool_indices=b.req_pool_indices, seq_lens=lens, out_cache_loc=b.out_cache_loc,
+        seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens.clone(), positions=b.positions, spec_info=spec_info)
+    return b
+
+
+def _reference(batch, masks, layer_id=0, logit_cap=None):
+    """float64, per request: its k queries over its prefix (all visible) and its k draft keys (masks[b])."""
+    g = batch.geometry
+    outs = []
+    for i in range(batch.num_real_reqs):
+        kk, vv = (t.double().repeat_interleave(g.group_size, 1) for t in H.request_kv(batch, i, layer_id))
+        q = H.request_q(batch, i, layer_id).double()
+        p = kk.shape[0] - q.shape[0]
+        s = torch.einsum("qhd,khd->hqk", q, kk) * g.sm_scale
+        if logit_cap is not None:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        vis = torch.ones(q.shape[0], kk.shape[0], dtype=torch.bool)
+        vis[:, p:] = masks[i]
+        s = s.masked_fill(~vis[None], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).reshape(q.shape[0], -1))
+    return torch.cat(outs)
+
+
+def _run_layers(backend, batch, layers):
+    outs = []
+    for n, layer in enumerate(layers):
+        ld = batch.layers[layer.layer_id]
+        outs.append(H.run_sglang_layer(backend, layer, batch.forward_batch, ld.q, ld.k, ld.v, init_metadata=n == 0)[0])
+    return outs
+
+
+@pytest.mark.parametrize("geom", ["mha", "gqa", "mla_absorbed"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_target_verify_matches_reference(geom, tree):
+    g = H.GEOMETRIES[geom]
+    mr = H.make_model_runner(g, num_layers=2, seed=11)
+    masks = _tree_masks(len(PREFIX), K, 3) if tree else torch.ones(K, K, dtype=torch.bool).tril().expand(
+        len(PREFIX), K, K)
+    # the layout SGLang's draft stage would send this backend (QLEN_ONLY where SGLang runs on CPU)
+    layout = mask_layout(torch.device("cpu"))
+    spec = SimpleNamespace(draft_token_num=K, topk=2 if tree else 1, custom_mask=_flat_mask(masks, PREFIX, layout))
+    batch = _verify_batch(mr, PREFIX, K, spec, layer_ids=(0, 1))
+    backend = CompiledAttnBackend(mr)
+    outs = _run_layers(backend, batch, [H.make_layer(g, 0), H.make_layer(g, 1)])
+    for lid, out in enumerate(outs):  # two layers of one forward share the index, each over its own cache
+        assert out.shape == (len(PREFIX) * K, g.num_heads * g.v_head_dim)
+        torch.testing.assert_close(out.double(), _reference(batch, masks, lid), atol=1e-4, rtol=0)
+    # the draft tokens' K/V went to out_cache_loc, as every backend writes them
+    k_new, _ = H.read_kv(mr, 0, batch.out_cache_loc)
+    torch.testing.assert_close(k_new.reshape(k_new.shape[0], -1), batch.layers[0].k)
+
+
+@pytest.mark.parametrize("layout", ["draft", "full"])
+def test_mask_layouts(monkeypatch, layout):
+    """QLEN_ONLY ([k, k] per request) and FULL_MASK ([k, prefix + k] per request; its prefix columns are not
+    read), each in a pre-allocated buffer longer than the batch needs, as SGLang's VerifyMask hands it."""
+    import compiled_attn.sglang.speculative as S
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=12)
+    masks = _tree_masks(len(PREFIX), K, 4)
+    flat = _flat_mask(masks, PREFIX, layout)
+    spec = SimpleNamespace(draft_token_num=K, tree_topk=-1, custom_mask=torch.cat([flat, torch.ones(50, dtype=bool)]))
+    batch = _verify_batch(mr, PREFIX, K, spec)
+    monkeypatch.setattr(S, "mask_layout", lambda device: layout)
+    out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
+    torch.testing.assert_close(out.double(), _reference(batch, masks), atol=1e-4, rtol=0)
+
+
+def test_mask_layout_follows_sglang():
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode, default_tree_mask_mode
+    want = "draft" if default_tree_mask_mode() == TreeMaskMode.QLEN_ONLY else "full"
+    assert mask_layout(torch.device("cpu")) == want
+
+
+def test_target_verify_soft_cap_and_bf16():
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=13)
+    masks = _tree_masks(len(PREFIX), K, 5)
+    spec = SimpleNamespace(draft_token_num=K, topk=4,
+                           custom_mask=_flat_mask(masks, PREFIX, mask_layout(torch.device("cpu"))))
+    batch = _verify_batch(mr, PREFIX, K, spec)
+    layer = SG.RadixAttention(g.num_heads, g.head_dim, g.sm_scale, g.num_kv_heads, 0, logit_cap=5.0)
+    out = _run_layers(CompiledAttnBackend(mr), batch, [layer])[0]
+    torch.testing.assert_close(out.double(), _reference(batch, masks, logit_cap=5.0), atol=1e-4, rtol=0)
+    mr = H.make_model_runner(g, seed=14, dtype=torch.bfloat16)
+    batch = _verify_batch(mr, PREFIX, K, spec)
+    out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _reference(batch, masks), atol=3e-2, rtol=0)
+
+
+def test_target_verify_errors():
+    g = H.GEOMETRIES["mha"]
+    mr = H.make_model_runner(g, seed=15)
+    batch = _verify_batch(mr, PREFIX, K, SimpleNamespace(draft_token_num=K, topk=2,
+                                                         custom_mask=torch.ones(7, dtype=torch.bool)))
+    backend = CompiledAttnBackend(mr)
+    with pytest.raises(ValueError, match="custom_mask has 7 elements"):
+        _run_layers(backend, batch, [H.make_layer(g)])
+    batch.forward_batch.spec_info = None
+    with pytest.raises(ValueError, match="spec_info"):
+        _run_layers(backend, batch, [H.make_layer(g)])
+    batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=3, topk=1, custom_mask=None)
+    with pytest.raises(ValueError, match="draft_len"):  # 16 tokens are not 4 requests of 3
+        _run_layers(backend, batch, [H.make_layer(g)])
+    batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        _run_layers(backend, batch, [H.make_layer(g, 0, 8)])
+    ld = batch.layers[0]
+    with pytest.raises(NotImplementedError, match="sinks"):
+        backend.forward_extend(ld.q, ld.k, ld.v, H.make_layer(g), batch.forward_batch, save_kv_cache=False,
+                               sinks=torch.zeros(4))
+
+
+def test_draft_extend_v2_is_a_plain_extend():
+    """DRAFT_EXTEND_V2: extend_prefix_lens / extend_seq_lens set, seq_lens including the new tokens, causal."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=16)
+    batch = H.make_extend_batch(mr, [K] * len(PREFIX), PREFIX)
+    batch.forward_batch.forward_mode = SG.ForwardMode.DRAFT_EXTEND_V2
+    batch.forward_batch.spec_info = SimpleNamespace(num_tokens_per_req=K, draft_token_num=K)
+    out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
+    chain = torch.ones(K, K, dtype=torch.bool).tril().expand(len(PREFIX), K, K)
+    torch.testing.assert_close(out.double(), _reference(batch, chain), atol=1e-4, rtol=0)

@@ -1,0 +1,197 @@
+"""Multi-token verify (``compiled_attn.verify``) against a plain float64 reference: chain and tree masks in both of
+SGLang's layouts, GQA, absorbed MLA, soft-cap, pages, float8 caches, both forms, random cases (hypothesis), the
+host checks' errors, and ``torch.compile(fullgraph=True)`` without recompiles across batches of one bucket."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+from compiled_attn.bench.batches import make_batch
+from compiled_attn.compile_policy import compile_step
+from compiled_attn.verify import (
+    build_verify_index,
+    chain_mask,
+    draft_mask_from_custom,
+    plan_verify,
+    verify_attention,
+    verify_blocks,
+)
+
+
+def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, logit_cap=None, kv_scale=1.0):
+    """float64, request by request: its k queries over positions [0, prefix + k) of its row; the prefix all
+    visible, draft key j visible to query i where masks[b, i, j]. q: [bs * k, Hq, D] -> [bs * k, Hq, Dv]."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out = []
+    for b in range(len(prefix)):
+        p = int(prefix[b])
+        slots = table[int(rows[b]), : p + k].long()
+        kk = k_cache[slots].double().repeat_interleave(hq // hkv, 1) * kv_scale
+        vv = v_cache[slots].double().repeat_interleave(hq // hkv, 1) * kv_scale
+        s = torch.einsum("qhd,khd->hqk", q[b * k:(b + 1) * k].double(), kk) * scale
+        if logit_cap is not None:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        vis = torch.ones(k, p + k, dtype=torch.bool)
+        vis[:, p:] = masks[b]
+        s = s.masked_fill(~vis[None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1).nan_to_num(0.0), vv))
+    return torch.cat(out)
+
+
+def random_trees(bs, k, g):
+    """[bs, k, k] ancestor-or-self masks of random trees (token 0 the root, each parent an earlier token)."""
+    masks = torch.zeros(bs, k, k, dtype=torch.bool)
+    for b in range(bs):
+        masks[b] = torch.eye(k, dtype=torch.bool)
+        for i in range(1, k):
+            masks[b, i] |= masks[b, int(torch.randint(0, i, (1,), generator=g))]
+    return masks
+
+
+def full_layout(masks, prefix):
+    """SGLang's FULL_MASK: per request [k, prefix + k] row-major (prefix columns True), concatenated."""
+    k = masks.shape[1]
+    return torch.cat([torch.cat([torch.ones(k, int(p), dtype=torch.bool), m], 1).reshape(-1)
+                      for p, m in zip(prefix, masks, strict=True)])
+
+
+def _case(prefix, k, *, hq=4, hkv=2, d=16, dv=None, mla=False, seed=0, **kw):
+    prefix = torch.tensor(prefix, dtype=torch.int64)
+    b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=hq, hkv=hkv, dqk=d, dv=dv, mla=mla, seed=seed, **kw)
+    return b, prefix
+
+
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("prefix", [[5, 0, 130, 64, 1], [300]], ids=["batch", "single"])
+def test_matches_reference(prefix, tree, cpu_flash):
+    k = 4
+    b, prefix = _case(prefix, k, hq=8, hkv=2)
+    g = torch.Generator().manual_seed(1)
+    masks = random_trees(len(prefix), k, g) if tree else chain_mask(len(prefix), k)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
+                           masks.reshape(-1) if tree else None, cpu_flash=cpu_flash)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    assert out.shape == ref.shape and out.dtype == b.q.dtype
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_full_layout_equals_draft_layout():
+    b, prefix = _case([7, 0, 33], 3)
+    masks = random_trees(3, 3, torch.Generator().manual_seed(2))
+    full = full_layout(masks, prefix)
+    assert torch.equal(draft_mask_from_custom(full, prefix, 3, "full"), masks)
+    outs = [verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 3, m, mask_layout=lay)
+            for m, lay in ((masks.reshape(-1), "draft"), (full, "full"), (masks.reshape(-1).to(torch.uint8), "draft"))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_mla_absorbed_soft_cap_and_bf16():
+    k = 3
+    masks = random_trees(3, k, torch.Generator().manual_seed(3))
+    b, prefix = _case([9, 70, 2], k, hq=4, hkv=1, d=40, dv=32, mla=True)  # V = K's first 32 columns
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
+                           logit_cap=3.0)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 40 ** -0.5, 3.0)
+    assert out.shape == (9, 4, 32) and (out.double() - ref).abs().max() < 1e-5
+    b, prefix = _case([9, 70, 2], k, hq=4, hkv=2, dtype=torch.bfloat16)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
+def test_pages_and_float8(cpu_flash):
+    k = 4
+    masks = random_trees(3, k, torch.Generator().manual_seed(4))
+    b, prefix = _case([13, 100, 0], k, page_size=16)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
+                           page_size=16, cpu_flash=cpu_flash)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5
+    b, prefix = _case([13, 100, 0], k, kv_dtype=torch.float8_e4m3fn)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
+                           k_scale=0.5, v_scale=0.5, cpu_flash=cpu_flash)
+    ref = reference_verify(b.q, b.k_cache.float(), b.v_cache.float(), b.req_to_token, b.rows, prefix, k, masks,
+                           16 ** -0.5, kv_scale=0.5)
+    assert (out.double() - ref).abs().max() < 1e-4
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=st.lists(st.integers(0, 150), min_size=1, max_size=5), k=st.integers(1, 6), tree=st.booleans(),
+       heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (8, 1)]), cpu_flash=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_cases(prefix, k, tree, heads, cpu_flash, seed):
+    b, prefix_t = _case(prefix, k, hq=heads[0], hkv=heads[1], seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    masks = random_trees(len(prefix), k, g) if tree else chain_mask(len(prefix), k)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix_t, k,
+                           masks.reshape(-1) if tree else None, cpu_flash=cpu_flash)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix_t, k, masks, 16 ** -0.5)
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 1e-4
+
+
+def test_errors():
+    k = 3
+    b, prefix = _case([4, 9], k)
+    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix)
+    with pytest.raises(ValueError, match="custom_mask has 17 elements.*bs \\* k \\* k = 18"):
+        plan_verify(*args, k, torch.ones(17, dtype=torch.bool))
+    with pytest.raises(ValueError, match="custom_mask has 18 elements.*= 57"):
+        plan_verify(*args, k, torch.ones(18, dtype=torch.bool), mask_layout="full")
+    with pytest.raises(TypeError, match="custom_mask must have dtype"):
+        plan_verify(*args, k, torch.ones(18))
+    with pytest.raises(ValueError, match="custom_mask must have 1 dimensions"):
+        plan_verify(*args, k, torch.ones(2, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="q has 6 tokens but the batch has 2 requests of draft_len=2"):
+        plan_verify(*args, 2)  # the draft count disagrees with the batch
+    with pytest.raises(ValueError, match="draft_len must be an int >= 1"):
+        plan_verify(*args, 0)
+    with pytest.raises(TypeError, match="draft_len"):
+        plan_verify(*args, True)
+    with pytest.raises(ValueError, match="mask_layout must be one of"):
+        plan_verify(*args, k, torch.ones(18, dtype=torch.bool), mask_layout="qlen")
+    with pytest.raises(ValueError, match="req_pool_indices must have shape \\[1\\] \\(the batch size\\)"):
+        plan_verify(b.q[:3], b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix[:1], k)
+    with pytest.raises(ValueError, match="prefix_lens \\+ draft_len reach position"):
+        plan_verify(*args[:5], prefix + b.req_to_token.shape[1], k)
+    with pytest.raises(ValueError, match="block_capacity=1 is smaller"):
+        plan_verify(*args, k, block_capacity=1, block_size=4)
+
+
+def verify_step(q, k_cache, v_cache, table, inputs, cpu_flash: bool):
+    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), 0.25, cpu_flash=cpu_flash)
+
+
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
+def test_compiles_once_per_bucket(cpu_flash):
+    """fullgraph=True; batches of another size, other prefixes and other trees in one bucket (batch capacity 4,
+    block capacity 12) reuse the graph."""
+    torch._dynamo.reset()
+    fn = compile_step(verify_step, dynamic=False)
+    k, cap = 4, 4
+    b, _ = _case([150, 150, 150, 150], k, seed=5)
+    g = torch.Generator().manual_seed(6)
+    graphs = []
+    for prefix in ([5, 70, 1, 130], [64, 0, 100], [130]):
+        bs = len(prefix)
+        prefix = torch.tensor(prefix)
+        masks = random_trees(bs, k, g)
+        q = torch.zeros(cap * k, 4, 16)
+        q[: bs * k] = b.q[: bs * k]
+        meta = plan_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows[:bs], prefix, k,
+                           masks.reshape(-1), batch_capacity=cap, block_capacity=12, block_size=64)
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, cpu_flash)
+        ref = reference_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
+        assert (out[: bs * k].double() - ref).abs().max() < 1e-5
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2], f"recompiled within one bucket: {graphs}"
+
+
+def test_bench_verify_case_row():
+    """The benchmark helper (``bench/ops_verify.py``) at a tiny shape: one row with every column, finite times."""
+    from compiled_attn.bench.ops_verify import COLUMNS, bench_verify_case
+
+    row = bench_verify_case(2, 3, True, 1, name="tiny-mha")
+    assert set(COLUMNS) <= set(row) and row["mask"] == "tree" and row["k"] == 3
+    assert all(row[c] > 0 for c in COLUMNS if c.endswith(("_ms", "_x", "x_decode1")))
