@@ -113,8 +113,10 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
 
 def _parse(argv):
     p = OneLineParser(prog="compiled-attn bench-ops", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", nargs="+", default=None, choices=["mha", "mla", *SHAPES],
-                   help="default: mha mla (none with --sweep-len)")
+    p.add_argument("--ops", nargs="+", default=None, choices=["mha", "mla", *SHAPES, "verify"],
+                   help="default: mha mla (none with --sweep-len); verify: speculative verify of k draft tokens")
+    p.add_argument("--draft", nargs="+", default=["2", "4", "8", "tree8"], choices=["2", "4", "8", "tree8"],
+                   help="verify: k draft tokens as a chain, or tree8 (a random tree of 8)")
     p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
                    help="default: 1 8 32 (decode), 1 4 16 (extend)")
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"], help="decode contexts")
@@ -157,6 +159,15 @@ def _run_cases(args) -> None:
         print(format_table(rows, cols), flush=True)
         print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
               "GBps: the cache bytes stored (in the cache's dtype) / compiled time")
+    if "verify" in ops:
+        from .ops_verify import COLUMNS as VERIFY_COLUMNS
+        from .ops_verify import bench_verify_case
+
+        rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters)
+                for d in args.draft for bs in args.batch_size or [1, 8, 32]]
+        print(format_table(rows, VERIFY_COLUMNS), flush=True)
+        print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
+              "masked per-request SDPA loop / verify")
     if extend_ops:
         rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
                 for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
