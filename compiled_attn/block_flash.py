@@ -47,25 +47,23 @@ def gather_units(cache: torch.Tensor, units: torch.Tensor, unit: int) -> torch.T
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor, unit: int, n: int, length: int,
-               dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype, k_scale: float, v_scale: float, valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of ``units`` (``n * length // unit`` runs of ``unit`` slots) as ``[n, Hkv, length, D]`` views of one
     gather each (the kernel reads the transposed strides, so nothing is copied twice), in ``dtype``: converted
-    and dequantised on the gathered tile only (``kv_dtype``)."""
+    and dequantised on the gathered tile only (``kv_dtype``).
+
+    valid: [n, length] bool, given when whole runs were gathered (``unit`` > 1) and some positions are masked:
+    those rows are zeroed. They are slots past the request's end in its last page (never written for it, and
+    whatever a page's previous owner left there, NaN included, would survive the additive mask)."""
     hkv, d = k_cache.shape[1], k_cache.shape[2]
     k = dequantize(gather_units(k_cache, units, unit), dtype, k_scale)
     v = dequantize(gather_units(v_cache, units, unit), dtype, v_scale)
+    if valid is not None:
+        masked = (~valid).reshape(-1).nonzero().squeeze(1)  # a few tail positions per partial block
+        k.index_fill_(0, masked, 0)
+        v.index_fill_(0, masked, 0)
     return k.view(n, length, hkv, d).transpose(1, 2), v.view(n, length, hkv, d).transpose(1, 2)
-
-
-def _zero_masked(k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-    """Zero the gathered K/V at masked positions of the blocks that have any (k, v: [n, Hkv, length, D] views;
-    valid: [n, length]). Needed when whole runs are gathered (``unit`` > 1): a run's masked positions are slots past
-    the request's end in its last page, never written, and NaN there would survive the additive mask."""
-    part = (~valid).any(1).nonzero().squeeze(1)
-    if part.numel():
-        keep = valid.index_select(0, part)[:, None, :, None]
-        for t in (k, v):
-            t.index_copy_(0, part, t.index_select(0, part).masked_fill_(~keep, 0))
 
 
 def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -117,9 +115,8 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for flat, q_c, bias_c, valid_c in zip(units.reshape(-1).split(chunk_blocks * n_units),
                                           q[:n_rows].split(chunk_blocks), biases, valid.split(chunk_blocks),
                                           strict=False):
-        k, v = _gather_kv(k_cache, v_cache, flat, unit, q_c.shape[0], n_cols, q.dtype, k_scale, v_scale)
-        if unit > 1 and bias_c is not None:
-            _zero_masked(k, v, valid_c)
+        masked = valid_c if unit > 1 and bias_c is not None and not bool(valid_c.all()) else None
+        k, v = _gather_kv(k_cache, v_cache, flat, unit, q_c.shape[0], n_cols, q.dtype, k_scale, v_scale, masked)
         o_c, lse_c = _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
         o_parts.append(o_c)
         lse_parts.append(lse_c)

@@ -22,7 +22,6 @@ from .block_flash import (
     CHUNK_BYTES,
     _flash_cpu,
     _gather_kv,
-    _zero_masked,
     block_attention,
     sequence_attention,
 )
@@ -134,10 +133,8 @@ def _dense(q, k_cache, v_cache, runs, valid, counts, active, widest, scale, unit
     blocks = firsts[:, None] + torch.minimum(j[None, :], (counts - 1).clamp_min(0)[:, None])  # [bs, widest]
     dense_valid = (valid[blocks] & (j[None, :] < counts[:, None])[..., None]).reshape(bs, widest * block_size)
     length = widest * block_size
-    k, v = _gather_kv(k_cache, v_cache, runs[blocks].reshape(-1), unit, bs, length, q.dtype, *scales)
-    bias = None
-    if not bool(dense_valid.all()):
-        if unit > 1:
-            _zero_masked(k, v, dense_valid)
-        bias = torch.where(dense_valid, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
+    all_valid = bool(dense_valid.all())
+    k, v = _gather_kv(k_cache, v_cache, runs[blocks].reshape(-1), unit, bs, length, q.dtype, *scales,
+                      dense_valid if unit > 1 and not all_valid else None)
+    bias = None if all_valid else torch.where(dense_valid, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
     return _flash_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)

@@ -154,7 +154,7 @@ class GraphRunner:
         progress: bool = True,
         recapture_on_change: bool = True,
         eager_fn: StepFn | None = None,
-        measure_iters: int = 3,
+        measure_iters: int = 2,
     ) -> None:
         self.device = _normalize_device(device)
         if use_cuda_graph and self.device.type != "cuda":
