@@ -225,3 +225,27 @@ def test_strided_query_equals_contiguous(form):
     out = [extend_tiled(q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.125, cpu_flash=FORMS[form])
            for q in (b.q, strided)]
     torch.testing.assert_close(out[1], out[0], atol=2e-4, rtol=1e-4)
+
+
+def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
+    """A request with no prefix spanning >= CAUSAL_SQUARE_TILES query tiles runs as one causal kernel call (its
+    tiles continue one causal square); a short one stays tiled. Both equal the float64 reference."""
+    import compiled_attn.extend_flash as extend_flash
+    from compiled_attn.plan import plan_extend
+
+    calls = []
+    real = extend_flash._aten_flash_cpu
+
+    def counting(q, k, v, dropout, causal, **kwargs):
+        calls.append((q.shape[1], q.shape[2], k.shape[2], causal))
+        return real(q, k, v, dropout, causal, **kwargs)
+
+    monkeypatch.setattr(extend_flash, "_aten_flash_cpu", counting)
+    b = make_batch([1100, 300], [0, 0], hq=8, hkv=2, dqk=32)
+    meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, cpu_flash=True, tile_q=256)
+    assert calls[0] == (8, 1100, 1100, True)  # heads unfolded: q [1, Hq, 1100, D] over all 1100 keys
+    assert [c[3] for c in calls[1:]] == [True, False]  # the 300-token request: a causal tile, then a folded one
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,7 @@ import compiled_attn.sglang.testing as H
 H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
+from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
 
@@ -24,12 +25,7 @@ K = 4
 def _tree_masks(bs: int, k: int, seed: int) -> torch.Tensor:
     """[bs, k, k] ancestor-or-self masks of random trees (token 0 the root)."""
     g = torch.Generator().manual_seed(seed)
-    masks = torch.zeros(bs, k, k, dtype=torch.bool)
-    for b in range(bs):
-        masks[b] = torch.eye(k, dtype=torch.bool)
-        for i in range(1, k):
-            masks[b, i] |= masks[b, int(torch.randint(0, i, (1,), generator=g))]
-    return masks
+    return torch.stack([random_tree(k, g) for _ in range(bs)])
 
 
 def _flat_mask(masks: torch.Tensor, prefix: list[int], layout: str) -> torch.Tensor:

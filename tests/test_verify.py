@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import make_batch
+from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import (
     build_verify_index,
@@ -41,12 +42,7 @@ def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, 
 
 def random_trees(bs, k, g):
     """[bs, k, k] ancestor-or-self masks of random trees (token 0 the root, each parent an earlier token)."""
-    masks = torch.zeros(bs, k, k, dtype=torch.bool)
-    for b in range(bs):
-        masks[b] = torch.eye(k, dtype=torch.bool)
-        for i in range(1, k):
-            masks[b, i] |= masks[b, int(torch.randint(0, i, (1,), generator=g))]
-    return masks
+    return torch.stack([random_tree(k, g) for _ in range(bs)])
 
 
 def full_layout(masks, prefix):
