@@ -198,8 +198,10 @@ class DecodeGraphs:
         buffers.tensors["block_ids"].copy_(torch.arange(kv_tokens // block))
         buffers.tensors["block_offsets"].copy_(torch.arange(block))
 
-    def warmup(self, persistent: Mapping[str, torch.Tensor]) -> dict:
-        """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``."""
+    def warmup(self, persistent: Mapping[str, torch.Tensor],
+               choices: Mapping[tuple[int, int], str] | None = None) -> dict:
+        """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``. ``choices``: an
+        earlier start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
         table = persistent.get("req_to_token")
         if not isinstance(table, torch.Tensor) or table.dim() != 2:
             raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
@@ -208,7 +210,7 @@ class DecodeGraphs:
         self._table_width = int(table.shape[1])
         timings = {}
         for runner in self.runners:
-            timings.update(runner.warmup(persistent))
+            timings.update(runner.warmup(persistent, choices))
         return timings
 
     def key_for(self, meta: DecodeMetadata) -> tuple[int, int] | None:

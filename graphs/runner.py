@@ -203,8 +203,12 @@ class GraphRunner:
 
     # ---- warm-up ----
 
-    def warmup(self, persistent: Mapping[str, torch.Tensor]) -> dict[Key, dict[str, float]]:
+    def warmup(self, persistent: Mapping[str, torch.Tensor],
+               choices: Mapping[Key, str] | None = None) -> dict[Key, dict[str, float]]:
         """Allocate buffers, run (compiling) and, on CUDA, capture every key, largest first.
+
+        choices: per key, "compiled" or "eager" from an earlier ``choices()`` (a restart): those keys skip the
+        compiled-vs-eager measurement (``eager_fn``) and replay the given form.
 
         Returns per key ``{"compile_s": first run (includes any compile it triggers), "warmup_s": the other
         runs, "capture_s": CUDA-graph capture (CUDA-graph path only)}``. Calling it again re-captures.
@@ -221,12 +225,13 @@ class GraphRunner:
         for key in bar:
             attrs = _key_attrs(key)
             bar.set_description(f"{'capture' if self.use_cuda_graph else 'compile'} {_describe(attrs)}")
-            timings[key] = self._warm_one(key, attrs, persistent)
+            timings[key] = self._warm_one(key, attrs, persistent, (choices or {}).get(key))
         bar.close()
         self._signatures = self._signatures_of(persistent)
         return timings
 
-    def _warm_one(self, key: Key, attrs: dict[str, Any], persistent: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _warm_one(self, key: Key, attrs: dict[str, Any], persistent: dict[str, torch.Tensor],
+                  choice: str | None = None) -> dict[str, float]:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(self._new_buffers(key), attrs)
@@ -244,8 +249,14 @@ class GraphRunner:
             times["compile_s"], times["warmup_s"] = t1 - t0, time.perf_counter() - t1
         entry.fn = self._fn
         if self._eager is not None and self._eager is not self._fn:
-            with prof_range("measure", **attrs):
-                times.update(self._choose(entry, persistent))
+            if choice in ("compiled", "eager"):  # measured by an earlier start: warm the chosen form only
+                entry.fn = self._eager if choice == "eager" else self._fn
+                if choice == "eager":
+                    self._eager(inputs, persistent)
+                times["choice"] = choice
+            else:
+                with prof_range("measure", **attrs):
+                    times.update(self._choose(entry, persistent))
         if self.use_cuda_graph:
             t0 = time.perf_counter()
             with prof_range("capture", **attrs):

@@ -422,3 +422,23 @@ def test_cuda_replaced_persistent_tensor_raises_without_recapture():
     real = real_batch(3, 10, "cuda")
     with pytest.raises(RuntimeError, match="'cache' was replaced"):
         runner.run((4, 16), real, {"cache": persistent["cache"].clone()})
+
+
+def test_choices_from_an_earlier_start_skip_the_measurement(persistent):
+    """A restart passes the first start's ``choices()``: no timing runs, the same forms replayed."""
+    calls = {"compiled": 0, "eager": 0}
+
+    def form(name):
+        def step(inputs, pers):
+            calls[name] += 1
+            return toy_step(inputs, pers)
+        return step
+
+    keys = [(1, 16), (4, 32)]
+    runner = GraphRunner(form("compiled"), make_buffers=make_buffers_on("cpu"), keys=keys, device="cpu",
+                         use_cuda_graph=False, progress=False, eager_fn=form("eager"), measure_iters=2,
+                         warmup_iters=1)
+    timings = runner.warmup(persistent, {(1, 16): "eager", (4, 32): "compiled"})
+    assert runner.choices() == {(1, 16): "eager", (4, 32): "compiled"}
+    assert calls == {"compiled": 2, "eager": 1}  # one warm-up run per key, plus the eager bucket's first call
+    assert "compiled_s" not in timings[(1, 16)] and timings[(1, 16)]["choice"] == "eager"

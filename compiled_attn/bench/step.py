@@ -7,6 +7,7 @@ directory (and a saved artifacts file) and compares cold vs warm start-up.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -63,15 +64,20 @@ def run(args) -> dict:
     persistent["req_to_token"] = torch.zeros(max_bs + 1, args.length, dtype=torch.int32, device=dev)
     step = make_stack_step(shape, args.layers)
     config = GraphConfig(max_batch_size=max_bs, max_kv_tokens=max_bs * args.length, max_context_len=args.length,
-                         cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet)
+                         cuda_graph_bs=args.cuda_graph_bs, progress=not args.quiet,
+                         measure_compile=args.measure_compile)
     graphs = DecodeGraphs(step, config=config, device=dev,
                           row_inputs={"x": RowInput((shape.hq, shape.dqk), torch.float32),
                                       "out_cache_loc": RowInput((), torch.int64, slots=True)})
+    # a restart reuses the first start's measured compiled-vs-eager choices, saved beside the artifacts
+    choices_path = args.artifacts + ".choices.json" if args.artifacts else None
     start = time.perf_counter()
-    timings = graphs.warmup(persistent)
+    timings = graphs.warmup(persistent, _load_choices(choices_path))
     warmup_s = time.perf_counter() - start
     if args.artifacts and not os.path.exists(args.artifacts):
         save_artifacts(args.artifacts)
+        with open(choices_path, "w") as f:
+            json.dump({f"{bs},{kv}": c for (bs, kv), c in graphs.choices().items()}, f)
     rows = []
     for bs in args.batch_size:
         meta, rows_in = _batch(shape, persistent, bs, args.length, seed=bs)
@@ -110,6 +116,14 @@ def run(args) -> dict:
                   for k, t in timings.items()]
     return {"model": args.model, "layers": args.layers, "length": args.length, "warmup_s": warmup_s,
             "buckets": len(timings), "rows": rows, "device": str(dev), "per_bucket": per_bucket}
+
+
+def _load_choices(path: str | None) -> dict[tuple[int, int], str] | None:
+    """The per-bucket choices an earlier start saved (``{"bs,kv": "compiled" | "eager"}``), or None."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return {tuple(int(x) for x in key.split(",")): c for key, c in json.load(f).items()}
 
 
 def _restart(argv: list[str]) -> int:
@@ -152,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--artifacts", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--measure-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: time compiled vs eager per bucket at warm-up and replay the faster (default: on)")
     p.add_argument("--device", default="cpu")
     add_malloc_flag(p)
     args = p.parse_args(argv)
