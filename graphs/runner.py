@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +33,22 @@ import torch
 from tqdm.auto import tqdm
 
 from graphs.cuda_graph import capture_graph, describe_changes, on_stream, signatures, synchronize
+from graphs.runner_helpers import (
+    Key,
+    Outputs,
+    StepFn,
+    check_outputs,
+    describe,
+    key_attrs,
+    largest_first,
+    normalize_device,
+    slice_rows,
+)
 from graphs.static_buffers import StaticBuffers
 from profiling import range as prof_range
 
 __all__ = ["GraphRunner", "RunnerStats", "Outputs", "StepFn"]
 
-Outputs = torch.Tensor | tuple[torch.Tensor, ...]
-StepFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], Outputs]
-Key = Hashable
 
 
 @dataclass
@@ -75,43 +83,6 @@ class _Warned:
     fallback: bool = False
     replaced: bool = False
     cpu_names: set[str] = field(default_factory=set)
-
-
-def _key_attrs(key: Key) -> dict[str, Any]:
-    """Profiling/progress attributes of a key: ``(bs, kv)`` -> bs, kv; an int -> bs; anything else -> key."""
-    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key):
-        return {"bs": key[0], "kv": key[1]}
-    if isinstance(key, int):
-        return {"bs": key}
-    return {"key": key}
-
-
-def _describe(attrs: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in attrs.items())
-
-
-def _largest_first(keys: Sequence[Key]) -> list[Key]:
-    """Keys sorted largest first when they are comparable (ints, tuples of ints), else in the given order."""
-    try:
-        return sorted(keys, reverse=True)
-    except TypeError:
-        return list(keys)
-
-
-def _check_outputs(out: Any) -> Outputs:
-    """A step returns a tensor or a tuple of tensors (a list is accepted and turned into a tuple)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-        return tuple(out)
-    raise TypeError(f"step_fn must return a Tensor or a tuple of Tensors, got {type(out).__name__}")
-
-
-def _slice_rows(out: Outputs, n: int) -> Outputs:
-    """Every output's dim 0 cut to the real batch size ``n`` (views, no copy)."""
-    if isinstance(out, torch.Tensor):
-        return out[:n]
-    return tuple(t[:n] for t in out)
 
 
 class GraphRunner:
@@ -156,7 +127,7 @@ class GraphRunner:
         eager_fn: StepFn | None = None,
         measure_iters: int = 2,
     ) -> None:
-        self.device = _normalize_device(device)
+        self.device = normalize_device(device)
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs a CUDA device, got device={self.device}")
         if warmup_iters < 1:
@@ -168,7 +139,7 @@ class GraphRunner:
         if len(set(keys)) != len(keys):
             raise ValueError(f"keys must be unique, got {keys}")
         self.use_cuda_graph = bool(use_cuda_graph)
-        self.keys: list[Key] = _largest_first(keys)
+        self.keys: list[Key] = largest_first(keys)
         self.warmup_iters = warmup_iters
         self.progress = progress
         self.recapture_on_change = recapture_on_change
@@ -223,8 +194,8 @@ class GraphRunner:
         timings: dict[Key, dict[str, float]] = {}
         bar = tqdm(self.keys, disable=not self.progress, unit="bucket", leave=False)
         for key in bar:
-            attrs = _key_attrs(key)
-            bar.set_description(f"{'capture' if self.use_cuda_graph else 'compile'} {_describe(attrs)}")
+            attrs = key_attrs(key)
+            bar.set_description(f"{'capture' if self.use_cuda_graph else 'compile'} {describe(attrs)}")
             timings[key] = self._warm_one(key, attrs, persistent, (choices or {}).get(key))
         bar.close()
         self._signatures = self._signatures_of(persistent)
@@ -240,7 +211,7 @@ class GraphRunner:
         with prof_range("warmup", **attrs), on_stream(self._stream):
             t0 = time.perf_counter()
             with prof_range("compile", **attrs):
-                _check_outputs(self._fn(inputs, persistent))
+                check_outputs(self._fn(inputs, persistent))
                 synchronize(self.device)
             t1 = time.perf_counter()
             for _ in range(self.warmup_iters - 1):
@@ -261,7 +232,7 @@ class GraphRunner:
             t0 = time.perf_counter()
             with prof_range("capture", **attrs):
                 entry.graph, out = capture_graph(lambda: self._fn(inputs, persistent), self._pool, self._stream)
-                entry.outputs = _check_outputs(out)
+                entry.outputs = check_outputs(out)
             times["capture_s"] = time.perf_counter() - t0
         return times
 
@@ -322,7 +293,7 @@ class GraphRunner:
                    persistent: Mapping[str, torch.Tensor]) -> Outputs:
         """``run``, with every output's dim 0 cut to the real batch size (views of the static outputs)."""
         out = self.run(key, real_inputs, persistent)
-        return _slice_rows(out, self._num_rows(key, real_inputs))
+        return slice_rows(out, self._num_rows(key, real_inputs))
 
     def _num_rows(self, key: Key | None, real_inputs: Mapping[str, torch.Tensor]) -> int:
         """The real batch size, read through the bucket's buffer specs (the largest bucket's for a fallback)."""
@@ -404,11 +375,3 @@ class GraphRunner:
         self._entries.clear()
         self._signatures = None
         self._stream = None
-
-
-def _normalize_device(device: torch.device | str) -> torch.device:
-    """``"cuda"`` -> ``cuda:<current>`` so it compares equal to a tensor's ``.device``."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
