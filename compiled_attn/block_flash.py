@@ -14,11 +14,16 @@ the code around it stays free of value-dependent branches.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import torch
 
 from .kv_dtype import dequantize
 
+#: a chunk this many times slower than the fastest one of its call switches the call's remaining chunks to threads
+#: over chunks (``_run_chunks``): a quiet machine's chunks stay within ~2x of each other
+SLOW_CHUNK_FACTOR = 4.0
 #: bytes of float32 K per gathered chunk: about half of one core's L2 on the CI machine, leaving room for V
 CHUNK_BYTES = 1 << 20
 
@@ -109,23 +114,76 @@ def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # the kernel wants the mask in the query's dtype; additive: 0 where valid, -inf elsewhere. None when every key
     # is valid (a single request's exact range, a batch of whole blocks): the kernel is 4-11% faster without one
     bias = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
-    o_parts, lse_parts = [], []
-    # views made once (split), so each iteration is two gathers and one kernel call
+    # views made once (split), so each chunk is two gathers and one kernel call
     biases = bias.split(chunk_blocks) if bias is not None else itertools.repeat(None)
-    for flat, q_c, bias_c, valid_c in zip(units.reshape(-1).split(chunk_blocks * n_units),
-                                          q[:n_rows].split(chunk_blocks), biases, valid.split(chunk_blocks),
-                                          strict=False):
+    chunks = list(zip(units.reshape(-1).split(chunk_blocks * n_units), q[:n_rows].split(chunk_blocks), biases,
+                      valid.split(chunk_blocks), strict=False))
+
+    def run_chunk(c):
+        flat, q_c, bias_c, valid_c = chunks[c]
         masked = valid_c if unit > 1 and bias_c is not None and not bool(valid_c.all()) else None
         k, v = _gather_kv(k_cache, v_cache, flat, unit, q_c.shape[0], n_cols, q.dtype, k_scale, v_scale, masked)
-        o_c, lse_c = _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
-        o_parts.append(o_c)
-        lse_parts.append(lse_c)
+        return _flash_cpu(q_c, k, v, 0.0, False, attn_mask=bias_c, scale=scale)
+
+    parts = _run_chunks(run_chunk, len(chunks))
+    o_parts, lse_parts = [p[0] for p in parts], [p[1] for p in parts]
     if n_rows < nblk:  # the skipped blocks: zeros
         o_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:])))
         lse_parts.append(q.new_zeros((nblk - n_rows, *q.shape[1:3]), dtype=torch.float32))
     if len(o_parts) == 1:  # one chunk: the kernel's own outputs, no copy
         return o_parts[0].contiguous(), lse_parts[0].contiguous()
     return torch.cat(o_parts), torch.cat(lse_parts)
+
+
+def _run_chunks(run_chunk, n: int) -> list:
+    """``run_chunk(c)`` for c in ``range(n)``, in order, each on the caller's intra-op threads; if a chunk takes
+    ``SLOW_CHUNK_FACTOR`` times the fastest one so far, the rest run on ``torch.get_num_threads()`` Python threads
+    that pull chunks from a shared counter, each chunk on one intra-op thread.
+
+    Why: each chunk is three OpenMP parallel regions, and on a shared machine a region waits for its slowest
+    thread: with one other busy process on 2 cores a step took 19x its quiet time this way, against 2x for the
+    threads over chunks (which are 1.23x slower than the regions when the machine is quiet, so they are the
+    fallback, not the rule). The switch is decided per call from its own chunk times: no state between calls."""
+    out: list = [None] * n
+    fastest = float("inf")
+    c = 0
+    threads = torch.get_num_threads()
+    while c < n:
+        t0 = time.perf_counter()
+        out[c] = run_chunk(c)
+        took = time.perf_counter() - t0
+        c += 1
+        if c >= 2 and threads > 1 and took > SLOW_CHUNK_FACTOR * fastest:
+            _run_on_chunk_threads(run_chunk, out, c, n, threads)
+            break
+        fastest = min(fastest, took)
+    return out
+
+
+def _run_on_chunk_threads(run_chunk, out: list, first: int, n: int, threads: int) -> None:
+    """Chunks ``[first, n)`` on ``threads`` Python threads, one intra-op thread each (no barrier between chunks: a
+    descheduled thread delays only the chunk it holds)."""
+    next_chunk = itertools.count(first)  # next() on a count is atomic under the GIL
+    errors: list[BaseException] = []
+
+    def worker():
+        torch.set_num_threads(1)
+        try:
+            for c in iter(lambda: next(next_chunk), None):
+                if c >= n:
+                    return
+                out[c] = run_chunk(c)
+        except BaseException as e:  # re-raised in the caller
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    torch.set_num_threads(threads)  # the caller's count, whatever the workers set process-wide
+    if errors:
+        raise errors[0]
 
 
 @block_flash.register_fake

@@ -144,3 +144,36 @@ def test_both_forms_compile_fullgraph(cpu_flash):
         meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16)
         out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
         assert (out.double() - _reference(b, 0.3)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunks_switch_to_threads_when_one_runs_slow(monkeypatch, page_size):
+    """A call whose chunk runs far over the fastest one finishes its remaining chunks on Python threads (one
+    intra-op thread each, chunks pulled from a counter); forced here with a factor of 0, the output is the same
+    as the all-OpenMP call's, and the caller's thread count is restored."""
+    import compiled_attn.block_flash as bf
+
+    b = make_batch([300, 40, 129, 250, 77], hq=8, hkv=2, dqk=32, decode=True, seed=4, page_size=page_size)
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16,
+                       page_size=page_size)
+    index = build_decode_index(b.req_to_token, meta.inputs, page_size)
+    qb = b.q.index_select(0, index.block_req.clamp_max(4)).view(-1, 2, 4, 32).contiguous()
+
+    def run():
+        return bf.block_attention(qb, b.k_cache, b.v_cache, index.runs, index.valid, 0.3, 3, index.unit)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        o_ref, lse_ref = run()
+        switched = []
+        real = bf._run_on_chunk_threads
+        monkeypatch.setattr(bf, "_run_on_chunk_threads", lambda *a: switched.append(a[2]) or real(*a))
+        monkeypatch.setattr(bf, "SLOW_CHUNK_FACTOR", 0.0)
+        o, lse = run()
+        assert switched == [2]  # after the second chunk
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-6, rtol=1e-6)
