@@ -23,6 +23,7 @@ one pool), so copy what must outlive it.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,8 @@ from graphs.static_buffers import StaticBuffers
 from profiling import range as prof_range
 
 __all__ = ["GraphRunner", "RunnerStats", "Outputs", "StepFn"]
+
+_log = logging.getLogger(__name__)
 
 
 
@@ -250,6 +253,8 @@ class GraphRunner:
         compiled_s, eager_s = (sorted(v)[len(v) // 2] for v in samples.values())
         choice = "eager" if eager_s < compiled_s * (1 - self.EAGER_MARGIN) else "compiled"
         entry.fn = self._eager if choice == "eager" else self._fn
+        _log.info("bucket %s replays the %s step (compiled %.3f ms, eager %.3f ms)", describe(entry.attrs), choice,
+                  compiled_s * 1e3, eager_s * 1e3)
         return {"choice": choice, "compiled_s": compiled_s, "eager_s": eager_s}
 
     def choices(self) -> dict[Key, str]:

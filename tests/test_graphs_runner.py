@@ -288,7 +288,7 @@ def test_warmup_iters_and_compile_called_once(persistent):
 
 
 @pytest.mark.parametrize("slow", ["compiled", "eager"])
-def test_each_bucket_replays_the_form_measured_faster(persistent, slow):
+def test_each_bucket_replays_the_form_measured_faster(persistent, slow, caplog):
     """With ``eager_fn`` the CPU warm-up times both forms per bucket and keeps the faster; the slow form here
     sleeps 20 ms per call (a margin no scheduler noise reaches). Outputs are the same either way."""
     import time as _time
@@ -306,8 +306,10 @@ def test_each_bucket_replays_the_form_measured_faster(persistent, slow):
     keys = [(1, 16), (4, 32)]
     runner = GraphRunner(form("compiled"), make_buffers=make_buffers_on("cpu"), keys=keys, device="cpu",
                          use_cuda_graph=False, progress=False, eager_fn=form("eager"), measure_iters=2)
-    timings = runner.warmup(persistent)
+    with caplog.at_level("INFO", logger="graphs.runner"):
+        timings = runner.warmup(persistent)
     fast = "eager" if slow == "compiled" else "compiled"
+    assert sum(f"replays the {fast} step" in r.getMessage() for r in caplog.records) == len(keys)
     assert runner.choices() == {k: fast for k in keys}
     for k in keys:
         assert timings[k]["choice"] == fast and timings[k][f"{slow}_s"] > timings[k][f"{fast}_s"] + 0.01
