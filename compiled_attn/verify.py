@@ -17,13 +17,7 @@ per-block copies of them, no mask, a running log-sum-exp); elsewhere (CUDA, MLA'
 matmul form over the blocks. The draft block is always a small matmul (``k`` keys). Everything after
 ``plan_verify`` is pure tensor code with static shapes per (batch capacity, ``k``, block capacity): no ``.item()``.
 
-Custom mask layouts (SGLang 0.5.23, ``speculative.eagle_utils.TreeMaskMode``), flat bool (or int8/uint8):
-  * ``"draft"`` (QLEN_ONLY, SGLang's default on CPU): per request a ``[k, k]`` row-major block, concatenated:
-    ``mask[b * k * k + i * k + j]``: query ``i`` of request ``b`` sees draft key ``j``.
-  * ``"full"`` (FULL_MASK, the GPU kernels' layout): per request a ``[k, prefix_len + k]`` row-major block,
-    concatenated: request ``b`` starts at ``sum_{c < b} k * (prefix_c + k)``; its draft columns are
-    ``prefix_b + j``. As SGLang's triton extend kernel (``skip_prefix_custom_mask=True``), the prefix columns are
-    not read: the prefix is always fully visible.
+Custom mask layouts: ``verify_masks``.
 """
 from __future__ import annotations
 
@@ -42,9 +36,14 @@ from .decode import (
     decode_blocks_needed,
     gather_unit,
     merge_blocks,
+    sinks_by_kv_head,
 )
 from .kv_dtype import check_scales, compute_dtype, dequantize
 from .metadata import DecodeInputs
+from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
+
+__all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "chain_mask",
+           "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_blocks"]
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 
 MASK_LAYOUTS = ("draft", "full")
@@ -97,38 +96,12 @@ class VerifyIndex:
     draft_mask: torch.Tensor
 
 
-def chain_mask(bs: int, k: int, device=None) -> torch.Tensor:
-    """[bs, k, k] bool: the causal chain (topk 1), query ``i`` sees draft keys ``j <= i``."""
-    return torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(bs, k, k)
-
-
-def draft_mask_from_custom(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, k: int, layout: str = "draft"
-                           ) -> torch.Tensor:
-    """SGLang's flat custom mask -> [bs, k, k] bool (the draft columns only); pure tensor code.
-
-    custom_mask: flat, at least the layout's size (a larger pre-allocated buffer's tail is ignored);
-    prefix_lens: [bs] int64 (read by the ``"full"`` layout only, to find each request's block)."""
-    bs = prefix_lens.shape[0]
-    if layout == "draft":
-        return custom_mask[: bs * k * k].view(bs, k, k) != 0
-    width = prefix_lens + k  # [bs], each request's row length
-    starts = torch.cumsum(k * width, 0) - k * width
-    ar = torch.arange(k, device=prefix_lens.device)
-    idx = starts[:, None, None] + ar[None, :, None] * width[:, None, None] + prefix_lens[:, None, None] + ar
-    return custom_mask.index_select(0, idx.reshape(-1)).view(bs, k, k) != 0
-
-
 def verify_block_size(draft_len: int) -> int:
     """Prefix block length for ``k`` draft tokens: ``64 * k`` within [64, 512]. In the matmul form each block
     carries a copy of its request's ``k * Hq`` query rows and returns as many output rows, a quarter of the K/V
     bytes at k = 8 with 64-token blocks; longer blocks keep that small. (The CPU form reads a request's blocks as
     one run of positions, so there the block length only sizes the index.)"""
     return min(512, max(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE * draft_len))
-
-
-def full_mask_numel(prefix_lens: torch.Tensor, k: int) -> int:
-    """Elements a ``"full"``-layout mask of this batch holds: ``k * sum(prefix_lens) + bs * k * k``."""
-    return int(k * prefix_lens.sum()) + prefix_lens.shape[0] * k * k
 
 
 def plan_verify(
@@ -226,11 +199,13 @@ def verify_blocks(
     cpu_flash: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
-    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales: as
-    ``decode.decode_blocks``. Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
+    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales, sinks
+    ([Hq] attention-sink logits): as ``decode.decode_blocks``. Returns [bs * k, Hq, Dv] in q.dtype; softmax and
+    accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
     hq, hkv, dv = q.shape[1], k_cache.shape[1], v_cache.shape[2]
@@ -244,16 +219,18 @@ def verify_blocks(
         raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
     # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
+    # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
+    row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:
         o, lse = _prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
-        out = _merge_two(o, lse, do, dm, dl)
+        out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
         m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
                                     v_scale)
         rows = torch.arange(bs, device=q.device)
         out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
-                           torch.cat([index.prefix.block_req, rows]), bs)  # [bs, Hkv, k * group, Dv]
+                           torch.cat([index.prefix.block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
     return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
 
 
@@ -266,13 +243,19 @@ def _prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_sc
                         index.block_req, scale, chunk, index.unit, *scales)
 
 
-def _merge_two(o, lse, do, dm, dl):
+def _merge_two(o, lse, do, dm, dl, sinks=None):
     """A normalised prefix part (o, its log-sum-exp) and the unnormalised draft part (do, max dm, sum dl) ->
     the softmax over both, [bs, Hkv, rows, Dv] float32: elementwise, so inductor fuses it (``merge_blocks``'
-    scatter over two "blocks" per request cost more than the kernel at bs 1). No key at all gives zeros."""
+    scatter over two "blocks" per request cost more than the kernel at bs 1). No key at all gives zeros.
+    sinks: [Hkv, rows] logits joining each row's denominator, or None."""
     m = torch.maximum(lse, dm)
+    if sinks is not None:
+        m = torch.maximum(m, sinks)
     wp, wd = torch.exp(lse - m), torch.exp(dm - m)
-    den = (wp + dl * wd).clamp_min(torch.finfo(torch.float32).tiny)
+    den = wp + dl * wd
+    if sinks is not None:
+        den = den + torch.exp(sinks - m)
+    den = den.clamp_min(torch.finfo(torch.float32).tiny)
     return (o * wp[..., None] + do * wd[..., None]) / den[..., None]
 
 
@@ -378,7 +361,7 @@ def _verify_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk
 
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
-                     k_scale=None, v_scale=None, cpu_flash=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, cpu_flash=None, sinks=None) -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
@@ -392,4 +375,4 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     index = build_verify_index(req_to_token, meta.inputs, page_size)
     return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
                          v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, k_scale=k_scale,
-                         v_scale=v_scale)
+                         v_scale=v_scale, sinks=sinks)

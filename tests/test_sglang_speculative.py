@@ -52,8 +52,9 @@ def _verify_batch(mr, prefix, k, spec_info, layer_ids=(0,)):
     return b
 
 
-def _reference(batch, masks, layer_id=0, logit_cap=None):
-    """float64, per request: its k queries over its prefix (all visible) and its k draft keys (masks[b])."""
+def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None):
+    """float64, per request: its k queries over its prefix (all visible) and its k draft keys (masks[b]); sinks:
+    one more softmax column per head, of value zero."""
     g = batch.geometry
     outs = []
     for i in range(batch.num_real_reqs):
@@ -66,7 +67,10 @@ def _reference(batch, masks, layer_id=0, logit_cap=None):
         vis = torch.ones(q.shape[0], kk.shape[0], dtype=torch.bool)
         vis[:, p:] = masks[i]
         s = s.masked_fill(~vis[None], float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).reshape(q.shape[0], -1))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
+        w = torch.softmax(s, -1)[..., :kk.shape[0]]
+        outs.append(torch.einsum("hqk,khd->qhd", w, vv).reshape(q.shape[0], -1))
     return torch.cat(outs)
 
 
@@ -155,10 +159,23 @@ def test_target_verify_errors():
     batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         _run_layers(backend, batch, [H.make_layer(g, 0, 8)])
-    ld = batch.layers[0]
-    with pytest.raises(NotImplementedError, match="sinks"):
-        backend.forward_extend(ld.q, ld.k, ld.v, H.make_layer(g), batch.forward_batch, save_kv_cache=False,
-                               sinks=torch.zeros(4))
+
+
+def test_target_verify_with_sinks():
+    """gpt-oss's attention sinks reach verify through RadixAttention's ``sinks=``."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=17)
+    masks = _tree_masks(len(PREFIX), K, 6)
+    spec = SimpleNamespace(draft_token_num=K, topk=4,
+                           custom_mask=_flat_mask(masks, PREFIX, mask_layout(torch.device("cpu"))))
+    batch = _verify_batch(mr, PREFIX, K, spec)
+    backend, layer, ld = CompiledAttnBackend(mr), H.make_layer(g), batch.layers[0]
+    sinks = torch.linspace(-2, 2, g.num_heads)
+    with H.parallel_scope():
+        backend.init_forward_metadata(batch.forward_batch)
+        with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=batch.forward_batch):
+            out = layer(ld.q, ld.k, ld.v, batch.forward_batch, sinks=sinks)
+    torch.testing.assert_close(out.double(), _reference(batch, masks, sinks=sinks), atol=1e-4, rtol=0)
 
 
 def test_draft_extend_v2_is_a_plain_extend():

@@ -20,7 +20,8 @@ from compiled_attn.verify import (
 )
 
 
-def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, logit_cap=None, kv_scale=1.0):
+def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, logit_cap=None, kv_scale=1.0,
+                     sinks=None):
     """float64, request by request: its k queries over positions [0, prefix + k) of its row; the prefix all
     visible, draft key j visible to query i where masks[b, i, j]. q: [bs * k, Hq, D] -> [bs * k, Hq, Dv]."""
     hq, hkv = q.shape[1], k_cache.shape[1]
@@ -36,7 +37,10 @@ def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, 
         vis = torch.ones(k, p + k, dtype=torch.bool)
         vis[:, p:] = masks[b]
         s = s.masked_fill(~vis[None], float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1).nan_to_num(0.0), vv))
+        if sinks is not None:  # one more softmax column per head, of value zero
+            s = torch.cat([s, sinks.double()[:, None, None].expand(hq, k, 1)], -1)
+        p_ = torch.softmax(s, -1).nan_to_num(0.0)
+        out.append(torch.einsum("hqk,khd->qhd", p_[..., :p + k], vv))
     return torch.cat(out)
 
 
@@ -71,6 +75,22 @@ def test_matches_reference(prefix, tree, cpu_flash):
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
     assert out.shape == ref.shape and out.dtype == b.q.dtype
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
+def test_sinks(cpu_flash):
+    """Attention sinks join every draft query's denominator (prefix and draft parts merged, then the sink)."""
+    k = 3
+    b, prefix = _case([5, 0, 130], k, hq=8, hkv=2)
+    masks = random_trees(3, k, torch.Generator().manual_seed(5))
+    sinks = torch.linspace(-2, 3, 8)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
+                           cpu_flash=cpu_flash, sinks=sinks)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5,
+                           sinks=sinks)
+    assert (out.double() - ref).abs().max() < 1e-5
+    plain = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    assert (ref - plain).abs().max() > 1e-3  # the sinks matter here
 
 
 def test_full_layout_equals_draft_layout():

@@ -93,8 +93,6 @@ def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
 
 def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, sinks=None) -> torch.Tensor:
     """One layer of ``TARGET_VERIFY``: q3 [bs * k, Hq, Dqk] over the pool -> [bs * k, Hq * Dv]."""
-    if sinks is not None:  # refused rather than dropped: an output without the sink term would be silently wrong
-        raise NotImplementedError("compiled_attn: TARGET_VERIFY with attention sinks is not supported yet")
     if layer.is_cross_attention or layer_window(layer) is not None:
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with sliding-window or cross-attention layers is "
                                   "not supported yet")
@@ -104,5 +102,5 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
         index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)
     k_scale, v_scale = backend._layer_scales(layer)
     o = verify_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
-                      v_shares_k=backend.v_shares_k, k_scale=k_scale, v_scale=v_scale)
+                      v_shares_k=backend.v_shares_k, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
