@@ -52,7 +52,7 @@ def _verify_batch(mr, prefix, k, spec_info, layer_ids=(0,)):
     return b
 
 
-def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None):
+def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None, window=None):
     """float64, per request: its k queries over its prefix (all visible) and its k draft keys (masks[b]); sinks:
     one more softmax column per head, of value zero."""
     g = batch.geometry
@@ -66,6 +66,8 @@ def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None):
             s = logit_cap * torch.tanh(s / logit_cap)
         vis = torch.ones(q.shape[0], kk.shape[0], dtype=torch.bool)
         vis[:, p:] = masks[i]
+        if window is not None:  # query j at position p + j sees keys from p + j - window on
+            vis &= torch.arange(kk.shape[0])[None, :] >= (p + torch.arange(q.shape[0]))[:, None] - window
         s = s.masked_fill(~vis[None], float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
@@ -156,9 +158,25 @@ def test_target_verify_errors():
     batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=3, topk=1, custom_mask=None)
     with pytest.raises(ValueError, match="draft_len"):  # 16 tokens are not 4 requests of 3
         _run_layers(backend, batch, [H.make_layer(g)])
-    batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=K, topk=4, custom_mask=torch.ones(
+        len(PREFIX) * K * K, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="sliding-window"):  # a tree under a window
         _run_layers(backend, batch, [H.make_layer(g, 0, 8)])
+
+
+@pytest.mark.parametrize("window", [2, 8, 100])
+def test_target_verify_chain_on_sliding_window_layers(window):
+    """A chain on a windowed layer (gpt-oss alternates them): each draft token sees its own window, through the
+    tiled extend; a full-attention layer of the same forward still takes verify."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=18, num_layers=2)
+    spec = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
+    batch = _verify_batch(mr, PREFIX, K, spec, layer_ids=(0, 1))
+    layers = [H.make_layer(g, 0, window), H.make_layer(g, 1)]
+    out = _run_layers(CompiledAttnBackend(mr), batch, layers)
+    chain = torch.ones(K, K, dtype=torch.bool).tril().expand(len(PREFIX), K, K)
+    torch.testing.assert_close(out[0].double(), _reference(batch, chain, window=window), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1].double(), _reference(batch, chain, layer_id=1), atol=1e-4, rtol=0)
 
 
 def test_target_verify_with_sinks():

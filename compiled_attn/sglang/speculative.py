@@ -27,6 +27,8 @@ from dataclasses import replace
 
 import torch
 
+from ..extend import extend_tiles, supports_tile_flash, tile_index
+from ..plan import plan_extend
 from ..verify import VerifyIndex, build_verify_index, full_mask_numel, plan_verify, verify_blocks
 from .backend_util import host_int64, layer_logit_cap, layer_window
 
@@ -72,6 +74,33 @@ def _mask_of(spec_info, prefix: torch.Tensor, k: int, layout: str) -> torch.Tens
     return mask[:need] if mask.numel() > need else mask
 
 
+def _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks) -> torch.Tensor:
+    """A sliding-window layer (gpt-oss alternates them): each draft token's window starts at its own position, so
+    the prefix is not seen whole by all ``k`` queries. For a chain that is exactly a causal, windowed extend of the
+    ``k`` draft tokens over their prefix: the tiled extend runs it (index built once per forward). A tree under a
+    window is refused."""
+    spec = getattr(forward_batch, "spec_info", None)
+    k = draft_len_of(spec)
+    if not is_chain(spec):
+        raise NotImplementedError("compiled_attn: TARGET_VERIFY with a tree mask on a sliding-window layer is not "
+                                  "supported yet (chains are)")
+    cap = layer_logit_cap(layer)
+    flash = supports_tile_flash(q3, k_cache, v_cache, cap)
+    state = backend._state_for(forward_batch, decode=False)
+    key = ("verify-window", window, flash)
+    index = state.extend.get(key)
+    if index is None:
+        prefix = forward_batch.seq_lens.to(torch.int64)
+        new = torch.full_like(prefix, k)
+        meta = plan_extend(q3, k_cache, v_cache, backend.req_to_token, forward_batch.req_pool_indices, prefix + new,
+                           prefix, new, causal=True, sliding_window=window, page_size=backend.page_size)
+        index = state.extend[key] = tile_index(backend.req_to_token, meta, flash)
+    k_scale, v_scale = backend._layer_scales(layer)
+    o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
+                     v_scale=v_scale, sinks=sinks)
+    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
 def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
     """Plan the verify batch and build its index (host checks, once per forward; later layers reuse it)."""
     spec = getattr(forward_batch, "spec_info", None)
@@ -93,9 +122,11 @@ def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
 
 def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, sinks=None) -> torch.Tensor:
     """One layer of ``TARGET_VERIFY``: q3 [bs * k, Hq, Dqk] over the pool -> [bs * k, Hq * Dv]."""
-    if layer.is_cross_attention or layer_window(layer) is not None:
-        raise NotImplementedError("compiled_attn: TARGET_VERIFY with sliding-window or cross-attention layers is "
-                                  "not supported yet")
+    if layer.is_cross_attention:
+        raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
+    window = layer_window(layer)
+    if window is not None:
+        return _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks)
     state = backend._state_for(forward_batch, decode=False)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
