@@ -7,9 +7,8 @@ time keeps each gathered tile in the core's L2 cache, so the kernel reads it fro
 gather buffer grows past the allocator's reuse threshold (glibc mmaps blocks over 32 MB and page-faults them
 afresh every step). docs/performance.md has the measured effect.
 
-The chunk loop runs inside a custom op, so ``torch.compile`` sees one opaque call. Inside it, the op reads
-``valid`` on the host (a CPU tensor in a CPU-only op, not a device sync) to skip the blocks a bucket pads with;
-the code around it stays free of value-dependent branches.
+These are eager functions: they read ``valid`` on the host (a CPU tensor, not a device sync) to skip the blocks a
+bucket pads with. ``decode_flash`` (one custom op per layer, the one call ``torch.compile`` sees) runs them.
 """
 from __future__ import annotations
 
@@ -74,14 +73,6 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor
 def chunk_blocks_for(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     """How many blocks one gathered chunk holds so that its float32 K fits ``CHUNK_BYTES``."""
     return max(1, CHUNK_BYTES // (block_size * num_kv_heads * head_dim * 4))
-
-
-@torch.library.custom_op("compiled_attn::block_flash", mutates_args=())
-def block_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
-                valid: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_attention`` as one opaque op for ``torch.compile``."""
-    return block_attention(q, k_cache, v_cache, units, valid, scale, chunk_blocks, unit, k_scale, v_scale)
 
 
 def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
@@ -186,11 +177,6 @@ def _run_on_chunk_threads(run_chunk, out: list, first: int, n: int, threads: int
         raise errors[0]
 
 
-@block_flash.register_fake
-def _block_flash_fake(q, k_cache, v_cache, units, valid, scale, chunk_blocks, unit=1, k_scale=1.0, v_scale=1.0):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
 def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
                        valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,16 +201,3 @@ def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
     o, lse = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
     return o.contiguous(), lse.contiguous()
-
-
-@torch.library.custom_op("compiled_attn::sequence_flash", mutates_args=())
-def sequence_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
-                   valid: torch.Tensor, scale: float, unit: int = 1, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sequence_attention`` as one opaque op for ``torch.compile``."""
-    return sequence_attention(q, k_cache, v_cache, units, valid, scale, unit, k_scale, v_scale)
-
-
-@sequence_flash.register_fake
-def _sequence_flash_fake(q, k_cache, v_cache, units, valid, scale, unit=1, k_scale=1.0, v_scale=1.0):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -7,10 +7,11 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Two forms compute the blocks. On CPU (one head size, no soft-cap) ``block_flash`` gathers a few blocks at a time
-into L2 and runs ATen's CPU flash kernel on them (a single request skips the split: ``sequence_flash``); those
-two are opaque custom ops that read ``valid`` on the host to skip a bucket's padding. Elsewhere (CUDA,
-where inductor turns it into fused kernels; MLA's 576/512; soft-capped models) the matmul form below runs.
+Two forms compute the blocks. On CPU (one head size, no soft-cap) the opaque custom op ``decode_flash`` runs them
+through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded into one
+call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host
+to skip a bucket's padding. Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512;
+soft-capped models) the matmul form below runs.
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
 """
@@ -134,7 +135,7 @@ def decode_blocks(
     v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
     sinks: [Hq] attention sinks (gpt-oss): a learned logit per head that joins each row's softmax denominator
         (``exp(sink)`` beside the keys' ``exp(score)``) with no value, so a row can attend to "nothing"
-    cpu_flash: per-block attention through ATen's CPU flash kernel (``block_flash``) rather than the matmul form;
+    cpu_flash: per-block attention through ATen's CPU flash kernel (``decode_flash``) rather than the matmul form;
         None picks it wherever it applies (CPU, one head size, no soft-cap). The choice follows shapes, dtypes and
         the device, never tensor values.
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
@@ -191,14 +192,6 @@ def sinks_by_kv_head(sinks: torch.Tensor | None, hkv: int, hq: int) -> torch.Ten
     if not torch.compiler.is_compiling():
         validate.check_sinks(sinks, hq)
     return sinks.float().reshape(hkv, hq // hkv)
-
-
-def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """A normalised output ``o: [..., Hkv, group, Dv]`` with its rows' log-sum-exp ``lse: [..., Hkv, group]`` after
-    the sinks join the denominator: ``o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)``."""
-    if sinks is None:
-        return o
-    return o * torch.sigmoid(lse - sinks)[..., None]
 
 
 def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.dtype = torch.float32

@@ -25,7 +25,7 @@ from .block_flash import (
     block_attention,
     sequence_attention,
 )
-from .merge import merge_partials
+from .merge import apply_sinks, merge_partials
 
 #: a single request is run in one kernel call up to this many L2-sized chunks (16 MiB of float32 K: 4096 tokens
 #: of llama-3-8b's 8 KV heads); longer ones in equal segments of at most this size
@@ -62,7 +62,7 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     scales = (k_scale, v_scale)
     if bs == 1:
         o, lse = _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales)
-        return _finish(o, lse, sinks)
+        return apply_sinks(o, lse, sinks)
     counts = torch.bincount(block_req, minlength=bs + 1)[:bs]  # blocks per request (host: CPU-only op)
     widest = int(counts.max()) if bs else 0
     used = int(counts.sum())
@@ -72,7 +72,7 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if used and n * widest <= DENSE_WASTE * used and dense_k_bytes <= DENSE_BYTES:
         o, lse = _dense(q if n == bs else q.index_select(0, active), k_cache, v_cache, runs, valid, counts,
                         active, widest, scale, unit, scales)
-        o = _finish(o, lse, sinks)
+        o = apply_sinks(o, lse, sinks)
         return o if n == bs else o.new_zeros(q.shape).index_copy_(0, active, o)
     qb = q.index_select(0, block_req.clamp_max(bs - 1))
     o, lse = block_attention(qb, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, *scales)
@@ -84,14 +84,6 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def _decode_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit=1, k_scale=1.0,
                        v_scale=1.0, sinks=None):
     return q.new_empty(q.shape, dtype=torch.float32)
-
-
-def _finish(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Normalised ``o: [bs, Hkv, group, D]`` as float32, with the sinks joining each row's denominator."""
-    o = o.float()
-    if sinks is None:
-        return o
-    return o * torch.sigmoid(lse - sinks)[..., None]
 
 
 def _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales):

@@ -28,6 +28,7 @@ import contextlib
 import torch
 
 from .kv_dtype import compute_dtype, dequantize
+from .merge import apply_sinks
 
 _aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -183,9 +184,7 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
             # case (top-left aligned): heads unfolded, the kernel skips the masked half
             k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
             o, lse = flash(q_tile.permute(1, 0, 2)[None].to(dtype), k, v, 0.0, True, scale=scale)
-            o = o[0, ..., :dv].float()  # [Hq, n_q, dv]
-            if sinks is not None:
-                o = o * torch.sigmoid(lse[0] - sinks.reshape(-1, 1))[..., None]
+            o = apply_sinks(o[0, ..., :dv], lse[0], None if sinks is None else sinks.reshape(-1, 1))  # [Hq, n_q, dv]
             out[qs[i]:qs[i] + n_q] = o.permute(1, 0, 2).reshape(n_q, hkv, group, dv)
             written[qs[i]:qs[i] + n_q] = True
             continue
@@ -210,9 +209,8 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
                 # the kernel gives a row with every key masked lse 0 (o 0); it must weigh nothing in a merge
                 acc = _accumulate(acc, o, torch.where(vis.any(1), lse, float("-inf")))
             a = b
-        o = acc[0][0].view(hkv, group, n_q, d)[..., :dv]
-        if sinks is not None:
-            o = o * torch.sigmoid(acc[1][0].view(hkv, group, n_q) - sinks[..., None])[..., None]
+        o = apply_sinks(acc[0][0].view(hkv, group, n_q, d)[..., :dv], acc[1][0].view(hkv, group, n_q),
+                        None if sinks is None else sinks[..., None])
         out[qs[i]:qs[i] + n_q] = o.permute(2, 0, 1, 3)
         written[qs[i]:qs[i] + n_q] = True
     if not bool(written.all()):

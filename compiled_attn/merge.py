@@ -1,4 +1,5 @@
-"""The log-sum-exp merge of partial softmaxes (split-KV blocks, extend tiles, long single-request segments)."""
+"""The log-sum-exp merge of partial softmaxes (split-KV blocks, extend tiles, long single-request segments), and
+attention sinks joining a merged row's denominator."""
 from __future__ import annotations
 
 import torch
@@ -27,3 +28,12 @@ def merge_partials(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_r
     if sinks is not None:
         den = den + torch.exp(sinks - m_req)
     return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A normalised output ``o: [..., Dv]`` with its rows' log-sum-exp ``lse: [...]`` after the sinks (broadcast
+    against ``lse``) join the denominator: ``o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)``, float32."""
+    o = o.float()
+    if sinks is None:
+        return o
+    return o * torch.sigmoid(lse - sinks)[..., None]

@@ -7,7 +7,7 @@ from reference import reference_attention
 
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
-from compiled_attn.block_flash import block_flash, chunk_blocks_for, supports_block_flash
+from compiled_attn.block_flash import block_attention, chunk_blocks_for, supports_block_flash
 from compiled_attn.compile_policy import compile_step
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -100,7 +100,7 @@ def test_block_flash_chunks_match_plain_block_softmax(chunk_blocks):
     nblk, block_size = index.slots.shape
     req = index.block_req.clamp_max(len(LENS) - 1)
     qb = b.q.index_select(0, req).view(nblk, 2, 4, 32).float()
-    o, lse = block_flash(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.3, chunk_blocks)
+    o, lse = block_attention(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.3, chunk_blocks)
     # plain float64 per block: scores over the block's valid keys, softmax, weighted V, log-sum-exp
     k = b.k_cache[index.slots].double().permute(0, 2, 1, 3)  # [nblk, Hkv, block_size, D]
     v = b.v_cache[index.slots].double().permute(0, 2, 1, 3)

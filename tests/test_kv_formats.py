@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from compiled_attn import decode_attention
 from compiled_attn.bench.batches import make_batch
-from compiled_attn.block_flash import block_flash
+from compiled_attn.block_flash import block_attention
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.kv_dtype import FP8_DTYPES, compute_dtype
 from compiled_attn.plan import plan_decode
@@ -130,7 +130,7 @@ def test_half_cache_reaches_the_kernel_in_its_dtype(dtype):
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     index = build_decode_index(b.req_to_token, meta.inputs)
     qb = b.q.index_select(0, index.block_req.clamp_max(1)).view(-1, 2, 4, 64)
-    o, lse = block_flash(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.125, 4)
+    o, lse = block_attention(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.125, 4)
     assert o.dtype == dtype and lse.dtype == torch.float32
     out = decode_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     torch.testing.assert_close(out.double(), _reference(b), atol=2e-2, rtol=2e-2)
