@@ -322,9 +322,9 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     returns o: [bs, Hkv, R, D] float32, normalised over the prefix (zeros without one), and lse: [bs, Hkv, R]
     float32 (the float32 minimum without a prefix, so the merge gives it no weight).
 
-    Why not ``block_flash.block_attention`` over the blocks: every block then carries a copy of its request's
-    ``k * Hq`` query rows and returns as many output rows (a quarter of the K/V bytes at k = 8 with 64-token blocks), and the
-    blocks' outputs are concatenated and merged again. A request's blocks are consecutive and, from position 0,
+    Why not ``block_flash.block_attention`` over the blocks: every block then carries a copy of its request's ``k *
+    Hq`` query rows and returns as many output rows (a quarter of the K/V bytes at k = 8 with 64-token blocks), and
+    the blocks' outputs are concatenated and merged again. A request's blocks are consecutive and, from position 0,
     its valid keys one run of positions; so each chunk is one gather and one unmasked kernel call (the last chunk
     trimmed to the valid length) with the request's queries as they are, merged into a running log-sum-exp.
     Host reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as ``decode_flash``), never a sync.
