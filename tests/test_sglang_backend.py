@@ -21,74 +21,30 @@ H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
 # imported after importorskip: the backend module imports sglang
+from sglang_compare import DTYPES, GEOMS, SG, compare_with_torch_native, pool_copies, run_forward, twin_batch  # noqa: E402
+
 from compiled_attn.sglang.backend import GRAPH_KV_TOKENS_ENV, CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.plugin import BACKEND_NAME, create_backend, register  # noqa: E402
-
-GEOMS = ["mha", "gqa", "mla_normal", "mla_absorbed"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-SG = H.import_sglang()
-
-
-def _batch(mr, mode, layer_ids=(0,), pad_to_bs=None):
-    if mode == "decode":
-        return H.make_decode_batch(mr, [7, 1, 30, 12, 2, 65], layer_ids=layer_ids, pad_to_bs=pad_to_bs)
-    prefix = [3, 11, 0, 24] if mode == "prefix" else None
-    return H.make_extend_batch(mr, [5, 1, 17, 9], prefix, layer_ids=layer_ids)
-
-
-def _pools(mr, num_layers=1):
-    pool = mr.token_to_kv_pool
-    return [(pool.get_key_buffer(i).clone(), pool.get_value_buffer(i).clone()) for i in range(num_layers)]
-
-
-def _run(backend, batch, layers):
-    """One forward: metadata once, then each layer on its own q/k/v. Returns the outputs per layer."""
-    outs = []
-    for n, layer in enumerate(layers):
-        ld = batch.layers[layer.layer_id]
-        out, _ = H.run_sglang_layer(backend, layer, batch.forward_batch, ld.q, ld.k, ld.v, init_metadata=(n == 0))
-        outs.append(out)
-    return outs
-
-
-def _compare(geom, mode, dtype=torch.float32, windows=(-1,), seed=1, **mr_kwargs):
-    """torch_native vs ours on twin batches: layer i gets sliding window windows[i]."""
-    g = H.GEOMETRIES[geom]
-    results = []
-    for make in (H.make_torch_native_backend, CompiledAttnBackend):
-        mr = H.make_model_runner(g, dtype=dtype, num_layers=len(windows), seed=seed, **mr_kwargs)
-        batch = _batch(mr, mode, layer_ids=tuple(range(len(windows))))
-        layers = [H.make_layer(g, i, w) for i, w in enumerate(windows)]
-        results.append((_run(make(mr), batch, layers), _pools(mr, len(windows)), batch))
-    (ref, ref_pools, batch), (out, pools, _) = results
-    for r, o in zip(ref, out, strict=False):
-        assert o.shape == r.shape == (batch.forward_batch.input_ids.shape[0], g.num_heads * g.v_head_dim)
-        assert o.dtype == dtype
-        torch.testing.assert_close(o, r, atol=ATOL[dtype], rtol=0)
-    for (rk, rv), (k, v) in zip(ref_pools, pools, strict=False):
-        assert torch.equal(rk, k) and torch.equal(rv, v)
-    return ref, out
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["extend", "prefix", "decode"])
 @pytest.mark.parametrize("geom", GEOMS)
 def test_matches_torch_native(geom, mode, dtype):
-    _compare(geom, mode, dtype)
+    compare_with_torch_native(geom, mode, dtype)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "decode"])
 @pytest.mark.parametrize("window", [1, 4, 100])
 @pytest.mark.parametrize("geom", ["mha", "gqa"])
 def test_sliding_window_matches_torch_native(geom, window, mode):
-    _compare(geom, mode, windows=(window,), seed=3)
+    compare_with_torch_native(geom, mode, windows=(window,), seed=3)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "decode"])
 def test_layers_with_different_windows_share_one_forward(mode):
     """Layers of one forward with different windows: one plan per configuration, each layer right."""
-    ref, out = _compare("gqa", mode, windows=(-1, 4, -1, 4), seed=4)
+    ref, out = compare_with_torch_native("gqa", mode, windows=(-1, 4, -1, 4), seed=4)
     assert not torch.allclose(ref[0], ref[1])  # the windows really differ
 
 
@@ -100,9 +56,9 @@ def test_encoder_only_is_not_causal():
         batch = H.make_extend_batch(mr, [6, 1, 13])
         layer = SG.RadixAttention(g.num_heads, g.head_dim, g.sm_scale, g.num_kv_heads, 0,
                                   attn_type=SG.AttentionType.ENCODER_ONLY)
-        outs.append(_run(make(mr), batch, [layer])[0])
+        outs.append(run_forward(make(mr), batch, [layer])[0])
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=0)
-    causal = _run(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
+    causal = run_forward(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
     assert not torch.allclose(causal, outs[1], atol=1e-3)
 
 
@@ -151,7 +107,7 @@ def _cross_attention_run(make, enc_lens=(5, 3), dec_lens=(4, 2)):
         seq_lens_cpu=dec + 1, positions=dec.clone(), encoder_lens=enc, encoder_lens_cpu=list(enc_lens))
     outs.append(H.run_sglang_layer(backend, self_layer, fb, rnd(bs, hd), rnd(bs, kvd), rnd(bs, kvd))[0])
     outs.append(H.run_sglang_layer(backend, cross_layer, fb, rnd(bs, hd), None, None, init_metadata=False)[0])
-    return outs, _pools(mr, 2)
+    return outs, pool_copies(mr, 2)
 
 
 def _graph_backend(mr, max_bs=4):
@@ -191,9 +147,9 @@ def test_logit_cap(mode):
     """RadixAttention.logit_cap (tanh soft-cap, as Gemma-2/Grok use it); torch_native ignores it."""
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=8)
-    batch = _batch(mr, mode)
+    batch = twin_batch(mr, mode)
     layer = SG.RadixAttention(g.num_heads, g.head_dim, g.sm_scale * 40, g.num_kv_heads, 0, logit_cap=5.0)
-    out = _run(CompiledAttnBackend(mr), batch, [layer])[0]
+    out = run_forward(CompiledAttnBackend(mr), batch, [layer])[0]
     ref = []
     for i in range(batch.num_real_reqs):
         k, v = H.request_kv(batch, i)
@@ -214,9 +170,9 @@ def test_mla_normal_over_latent_pool_uses_given_kv():
     n = sum(lens)
     gen = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(n, heads * d, generator=gen) for d in (dqk, dqk, dv))
-    before = _pools(mr)
+    before = pool_copies(mr)
     out, _ = H.run_sglang_layer(CompiledAttnBackend(mr), layer, batch.forward_batch, q, k, v, save_kv_cache=False)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], _pools(mr)[0], strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(before[0], pool_copies(mr)[0], strict=False))
     ref, start = [], 0
     for m in lens:
         sl = slice(start, start + m)
@@ -294,7 +250,7 @@ def _graph_vs_plain(geom, hook, windows=(-1,), lens=(5, 9, 3, 70), max_bs=8, pag
     layers = [H.make_layer(g, i, w) for i, w in enumerate(windows)]
     ids = tuple(range(len(windows)))
     plain_mr = H.make_model_runner(g, num_layers=len(ids), seed=11, page_size=page_size)
-    plain = _run(CompiledAttnBackend(plain_mr), H.make_decode_batch(plain_mr, list(lens), layer_ids=ids), layers)
+    plain = run_forward(CompiledAttnBackend(plain_mr), H.make_decode_batch(plain_mr, list(lens), layer_ids=ids), layers)
     mr = H.make_model_runner(g, num_layers=len(ids), seed=11, page_size=page_size)
     backend = CompiledAttnBackend(mr)
     backend.init_cuda_graph_state(max_bs, max_bs)
@@ -368,11 +324,11 @@ def test_graph_capacity(monkeypatch):
     with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):
         backend.init_forward_metadata_out_graph(_view(batch.forward_batch))
     with pytest.warns(UserWarning, match="exact-size"):
-        out = _run(backend, batch, [H.make_layer(g)])[0]
+        out = run_forward(backend, batch, [H.make_layer(g)])[0]
     assert not backend.forward_metadata.static
     ref_mr = H.make_model_runner(g, seed=12)
     ref_batch = H.make_decode_batch(ref_mr, [200, 150, 100], pad_to_bs=8)
-    ref = _run(H.make_torch_native_backend(ref_mr), ref_batch, [H.make_layer(g)])
+    ref = run_forward(H.make_torch_native_backend(ref_mr), ref_batch, [H.make_layer(g)])
     torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=0)
     monkeypatch.setenv(GRAPH_KV_TOKENS_ENV, "lots")
     with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):
@@ -409,84 +365,3 @@ def test_forward_decode_compiles_fullgraph_without_recompiles(geom):
                 ref = backend.forward_decode(batch.q, k, v, layer, fb)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     assert len(compiles) == 1
-
-
-@pytest.mark.parametrize("mode", ["prefix", "decode"])
-@pytest.mark.parametrize("geom", GEOMS)
-def test_paged_pool_matches_torch_native(geom, mode):
-    """SGLang's --page-size 16: whole pages per request, gathered as runs of slots."""
-    _compare(geom, mode, page_size=16)
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("mode", ["prefix", "decode"])
-@pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
-def test_fp8_pool_matches_torch_native(geom, mode, kv_dtype):
-    """--kv-cache-dtype fp8_e4m3 / fp8_e5m2 (no scales in the checkpoint: torch_native casts the stored values,
-    ours dequantises with scale 1), bf16 model."""
-    _compare(geom, mode, torch.bfloat16, kv_dtype=kv_dtype, page_size=16 if mode == "decode" else 1)
-
-
-def test_fp8_pool_with_layer_scales():
-    """A layer with k_scale/v_scale: K/V are stored divided by them and read back multiplied; the output matches
-    the float64 reference over the dequantised pool."""
-    g = H.GEOMETRIES["gqa"]
-    mr = H.make_model_runner(g, dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, seed=4)
-    batch = _batch(mr, "prefix")
-    layer = H.make_layer(g, 0)
-    layer.k_scale, layer.v_scale = torch.tensor(0.25), torch.tensor(2.0)
-    layer.k_scale_float, layer.v_scale_float = 0.25, 2.0
-    ld = batch.layers[0]
-    out, pool = H.run_sglang_layer(CompiledAttnBackend(mr), layer, batch.forward_batch, ld.q, ld.k, ld.v)
-    n = batch.num_real_tokens
-    stored_k = pool.get_key_buffer(0)[batch.out_cache_loc[:n]].double() * 0.25
-    torch.testing.assert_close(stored_k, ld.k[:n].double().view_as(stored_k), atol=0.5, rtol=0.07)
-    ref = []
-    for i in range(batch.num_real_reqs):
-        start, cnt = int(batch.extend_seq_lens[:i].sum()), int(batch.extend_seq_lens[i])
-        slots = batch.req_to_token[int(batch.req_pool_indices[i]), :int(batch.seq_lens[i])].long()
-        k = pool.get_key_buffer(0)[slots].double() * 0.25
-        v = pool.get_value_buffer(0)[slots].double() * 2.0
-        q = ld.q[start:start + cnt].view(cnt, g.num_heads, g.head_dim).double()
-        k, v = k.repeat_interleave(g.group_size, 1), v.repeat_interleave(g.group_size, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) * g.sm_scale
-        qpos = torch.arange(k.shape[0] - cnt, k.shape[0])[:, None]
-        s = s.masked_fill(torch.arange(k.shape[0])[None] > qpos, float("-inf"))
-        ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(cnt, -1))
-    torch.testing.assert_close(out[:n].double(), torch.cat(ref), atol=1e-4, rtol=1e-4)
-
-
-def test_unsupported_kv_dtype_fails_at_construction():
-    g = H.GEOMETRIES["gqa"]
-    mr = H.make_model_runner(g)
-    mr.token_to_kv_pool.dtype = torch.int8
-    with pytest.raises(ValueError, match="kv-cache-dtype"):
-        CompiledAttnBackend(mr)
-
-
-@pytest.mark.parametrize("mode", ["prefix", "decode"])
-def test_attention_sinks_through_radix_attention(mode):
-    """gpt-oss passes ``sinks=`` through RadixAttention; the output equals the float64 reference with the sink as
-    one more softmax column of value zero (torch_native has no sinks)."""
-    g = H.GEOMETRIES["gqa"]
-    mr = H.make_model_runner(g, seed=7)
-    batch = _batch(mr, mode)
-    layer = H.make_layer(g, 0)
-    sinks = torch.randn(g.num_heads, generator=torch.Generator().manual_seed(0)) * 3
-    ld = batch.layers[0]
-    backend = CompiledAttnBackend(mr)
-    with H.parallel_scope():
-        backend.init_forward_metadata(batch.forward_batch)
-        with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=batch.forward_batch):
-            out = layer(ld.q, ld.k, ld.v, batch.forward_batch, sinks=sinks)
-    ref = []
-    for i in range(batch.num_real_reqs):
-        k, v = (t.double() for t in H.request_kv(batch, i))
-        q = H.request_q(batch, i).double()
-        k, v = k.repeat_interleave(g.group_size, 1), v.repeat_interleave(g.group_size, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) * g.sm_scale
-        qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-        s = s.masked_fill(torch.arange(k.shape[0])[None] > qpos, float("-inf"))
-        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
-        ref.append(torch.einsum("hqk,khd->qhd", s.softmax(-1)[..., :-1], v).reshape(q.shape[0], -1))
-    torch.testing.assert_close(out[:batch.num_real_tokens].double(), torch.cat(ref), atol=1e-5, rtol=1e-5)

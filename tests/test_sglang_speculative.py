@@ -16,6 +16,7 @@ pytest.importorskip("sglang")
 from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
+from compiled_attn.verify import chain_mask  # noqa: E402
 
 SG = H.import_sglang()
 PREFIX = [5, 0, 40, 17]
@@ -76,6 +77,14 @@ def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None, window=None
     return torch.cat(outs)
 
 
+def _tree_spec(seed: int):
+    """Random trees over the K draft tokens of every request, and the spec_info SGLang hands a tree verify (its
+    custom mask in the layout SGLang uses on this device)."""
+    masks = _tree_masks(len(PREFIX), K, seed)
+    flat = _flat_mask(masks, PREFIX, mask_layout(torch.device("cpu")))
+    return masks, SimpleNamespace(draft_token_num=K, topk=4, custom_mask=flat)
+
+
 def _run_layers(backend, batch, layers):
     outs = []
     for n, layer in enumerate(layers):
@@ -89,8 +98,7 @@ def _run_layers(backend, batch, layers):
 def test_target_verify_matches_reference(geom, tree):
     g = H.GEOMETRIES[geom]
     mr = H.make_model_runner(g, num_layers=2, seed=11)
-    masks = _tree_masks(len(PREFIX), K, 3) if tree else torch.ones(K, K, dtype=torch.bool).tril().expand(
-        len(PREFIX), K, K)
+    masks = _tree_masks(len(PREFIX), K, 3) if tree else chain_mask(len(PREFIX), K)
     # the layout SGLang's draft stage would send this backend (QLEN_ONLY where SGLang runs on CPU)
     layout = mask_layout(torch.device("cpu"))
     spec = SimpleNamespace(draft_token_num=K, topk=2 if tree else 1, custom_mask=_flat_mask(masks, PREFIX, layout))
@@ -130,9 +138,7 @@ def test_mask_layout_follows_sglang():
 def test_target_verify_soft_cap_and_bf16():
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=13)
-    masks = _tree_masks(len(PREFIX), K, 5)
-    spec = SimpleNamespace(draft_token_num=K, topk=4,
-                           custom_mask=_flat_mask(masks, PREFIX, mask_layout(torch.device("cpu"))))
+    masks, spec = _tree_spec(5)
     batch = _verify_batch(mr, PREFIX, K, spec)
     layer = SG.RadixAttention(g.num_heads, g.head_dim, g.sm_scale, g.num_kv_heads, 0, logit_cap=5.0)
     out = _run_layers(CompiledAttnBackend(mr), batch, [layer])[0]
@@ -174,7 +180,7 @@ def test_target_verify_chain_on_sliding_window_layers(window):
     batch = _verify_batch(mr, PREFIX, K, spec, layer_ids=(0, 1))
     layers = [H.make_layer(g, 0, window), H.make_layer(g, 1)]
     out = _run_layers(CompiledAttnBackend(mr), batch, layers)
-    chain = torch.ones(K, K, dtype=torch.bool).tril().expand(len(PREFIX), K, K)
+    chain = chain_mask(len(PREFIX), K)
     torch.testing.assert_close(out[0].double(), _reference(batch, chain, window=window), atol=1e-4, rtol=0)
     torch.testing.assert_close(out[1].double(), _reference(batch, chain, layer_id=1), atol=1e-4, rtol=0)
 
@@ -183,16 +189,11 @@ def test_target_verify_with_sinks():
     """gpt-oss's attention sinks reach verify through RadixAttention's ``sinks=``."""
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=17)
-    masks = _tree_masks(len(PREFIX), K, 6)
-    spec = SimpleNamespace(draft_token_num=K, topk=4,
-                           custom_mask=_flat_mask(masks, PREFIX, mask_layout(torch.device("cpu"))))
+    masks, spec = _tree_spec(6)
     batch = _verify_batch(mr, PREFIX, K, spec)
-    backend, layer, ld = CompiledAttnBackend(mr), H.make_layer(g), batch.layers[0]
-    sinks = torch.linspace(-2, 2, g.num_heads)
-    with H.parallel_scope():
-        backend.init_forward_metadata(batch.forward_batch)
-        with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=batch.forward_batch):
-            out = layer(ld.q, ld.k, ld.v, batch.forward_batch, sinks=sinks)
+    ld, sinks = batch.layers[0], torch.linspace(-2, 2, g.num_heads)
+    out, _ = H.run_sglang_layer(CompiledAttnBackend(mr), H.make_layer(g), batch.forward_batch, ld.q, ld.k, ld.v,
+                                sinks=sinks)
     torch.testing.assert_close(out.double(), _reference(batch, masks, sinks=sinks), atol=1e-4, rtol=0)
 
 
@@ -204,5 +205,5 @@ def test_draft_extend_v2_is_a_plain_extend():
     batch.forward_batch.forward_mode = SG.ForwardMode.DRAFT_EXTEND_V2
     batch.forward_batch.spec_info = SimpleNamespace(num_tokens_per_req=K, draft_token_num=K)
     out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
-    chain = torch.ones(K, K, dtype=torch.bool).tril().expand(len(PREFIX), K, K)
+    chain = chain_mask(len(PREFIX), K)
     torch.testing.assert_close(out.double(), _reference(batch, chain), atol=1e-4, rtol=0)

@@ -290,14 +290,15 @@ def make_decode_batch(
 
 
 def run_sglang_layer(backend, layer, forward_batch, q, k, v, *, save_kv_cache: bool = True,
-                     init_metadata: bool = True):
+                     init_metadata: bool = True, **layer_kwargs):
     """One ``RadixAttention.forward`` through ``backend``, as ``ModelRunner`` drives it.
 
     ``ModelRunner`` calls ``attn_backend.init_forward_metadata(forward_batch)`` once per
     forward (before the first layer) and publishes a ``ForwardContext`` whose backend
     ``RadixAttention.forward`` looks up (``get_attn_backend()``); the layer then calls
     ``backend.forward`` -> ``forward_extend`` / ``forward_decode`` by ``forward_mode``.
-    Pass ``init_metadata=False`` for the second and later layers of one forward.
+    Pass ``init_metadata=False`` for the second and later layers of one forward; ``layer_kwargs`` go to the layer
+    call as a model passes them (e.g. gpt-oss's ``sinks=``).
 
     Returns ``(output [num_tokens, H * Dv], backend.token_to_kv_pool)``.
     """
@@ -306,7 +307,7 @@ def run_sglang_layer(backend, layer, forward_batch, q, k, v, *, save_kv_cache: b
         if init_metadata:
             backend.init_forward_metadata(forward_batch)
         with sg.forward_context(sg.ForwardContext(attn_backend=backend), forward_batch=forward_batch):
-            out = layer(q, k, v, forward_batch, save_kv_cache=save_kv_cache)
+            out = layer(q, k, v, forward_batch, save_kv_cache=save_kv_cache, **layer_kwargs)
     return out, backend.token_to_kv_pool
 
 
