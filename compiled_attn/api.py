@@ -10,7 +10,6 @@ import torch
 from . import validate
 from .decode import build_decode_index, decode_blocks
 from .extend import extend_tiled
-from .kv_dtype import check_scales
 from .plan import plan_decode, plan_extend
 
 
@@ -40,7 +39,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     Returns ``[bs, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
-    check_scales(k_scale, v_scale)
+    validate.check_scales(k_scale, v_scale)
     meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn,
                        page_size=page_size)
@@ -63,7 +62,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     already be written. Returns ``[num_tokens, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
-    check_scales(k_scale, v_scale)
+    validate.check_scales(k_scale, v_scale)
     meta = plan_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn, page_size=page_size)

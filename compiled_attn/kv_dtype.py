@@ -11,8 +11,6 @@ Pure helpers over tensors; the scales are Python floats (per layer, fixed for a 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -65,19 +63,6 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torc
     if scale is not None and scale != 1.0:
         x = x.mul_(scale) if converted else x * scale
     return x
-
-
-def check_scales(k_scale, v_scale) -> None:
-    """Each scale is a finite positive Python number, or None (1.0). Scales dequantise float8 caches; on a
-    float32/bf16/fp16 cache they are still applied (a cache stored scaled)."""
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None:
-            continue
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"{name} must be a Python float (the layer's dequantisation scale) or None, got "
-                            f"{type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{name} must be finite and > 0, got {scale}")
 
 
 def scale_value(scale) -> float | None:

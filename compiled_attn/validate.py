@@ -104,6 +104,14 @@ def check_positive_number(name: str, value) -> float:
     return float(value)
 
 
+def check_scales(k_scale, v_scale) -> None:
+    """The KV dequantisation scales: each a finite number > 0, or None (1). They dequantise float8 caches; on a
+    float32/bf16/fp16 cache they are still applied (a cache stored scaled)."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            check_positive_number(name, scale)
+
+
 def check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")

@@ -38,7 +38,7 @@ from .decode import (
     merge_blocks,
     sinks_by_kv_head,
 )
-from .kv_dtype import check_scales, compute_dtype, dequantize
+from .kv_dtype import compute_dtype, dequantize
 from .metadata import DecodeInputs
 from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
 
@@ -369,7 +369,7 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     None (chain) or SGLang's flat tree mask in ``mask_layout``. Returns [bs * k, Hq, Dv] in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
-    check_scales(k_scale, v_scale)
+    validate.check_scales(k_scale, v_scale)
     meta = plan_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask,
                        mask_layout=mask_layout, block_size=block_size, page_size=page_size)
     index = build_verify_index(req_to_token, meta.inputs, page_size)
