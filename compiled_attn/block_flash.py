@@ -198,6 +198,8 @@ def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     first, last = lead // unit, -(-(lead + n) // unit)
     k, v = _gather_kv(k_cache, v_cache, units[first:last], unit, 1, (last - first) * unit, q.dtype, k_scale, v_scale)
     start = lead - first * unit
+    if start or k.shape[2] != n:  # a paged run: only [lead, lead + n) of the gathered pages
+        k, v = k[:, :, start:start + n], v[:, :, start:start + n]
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
-    o, lse = _flash_cpu(q.contiguous(), k[:, :, start:start + n], v[:, :, start:start + n], 0.0, False, scale=scale)
-    return o.contiguous(), lse.contiguous()
+    o, lse = _flash_cpu(q.contiguous(), k, v, 0.0, False, scale=scale)
+    return o.contiguous(), lse

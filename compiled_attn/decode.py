@@ -29,6 +29,7 @@ from .decode_flash import decode_flash, decode_flash_eager
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
+from .opaque import opaque_op
 
 
 @dataclass
@@ -88,7 +89,17 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_si
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
     unit = gather_unit(page_size, block_size)
-    blocks_per_req = decode_blocks_needed(kv_lo, kv_hi, block_size, page_size)  # [bs]
+    if bs == 1 and req_to_token.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _single_request_index(req_to_token, inputs, unit)
+    return _batched_index(req_to_token, inputs, unit)
+
+
+def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
+    """``build_decode_index`` as pure tensor code (any batch, any device, traceable)."""
+    req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
+    bs = req_rows.shape[0]
+    block_size = block_offsets.shape[0]
+    blocks_per_req = decode_blocks_needed(kv_lo, kv_hi, block_size, unit)  # [bs] (unit is its own gather unit)
     kv_start = aligned_kv_lo(kv_lo, unit)
     ends = torch.cumsum(blocks_per_req, 0)  # [bs]
     firsts = ends - blocks_per_req
@@ -110,6 +121,36 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_si
     slots = torch.where(used[:, None], slots, 0)
     # a run's first position is valid, or is its block's start (same run as the block's first valid position), so
     # its slot names the run; runs wholly past the end name the block's first run (read, then zeroed)
+    units = slots[:, ::unit] // unit if unit > 1 else None
+    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units)
+
+
+def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
+    """``build_decode_index`` of a batch of one on CPU, eagerly: the same index from the request's range read on the
+    host (a CPU tensor: no sync) as one slice of its table row, in a third of the ops. Why: at batch 1 and a short
+    context the general form's ~25 small ops cost as much as the attention itself (the per-request loop it replaces
+    does one slice). Traced code (``torch.compile``) and CUDA keep the general form."""
+    req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
+    block_size, capacity = block_offsets.shape[0], block_ids.shape[0]
+    row, lo, hi = int(req_rows[0]), int(kv_lo[0]), int(kv_hi[0])
+    start = lo - lo % unit
+    nblk = min(cdiv(hi - start, block_size), capacity) if hi > lo else 0
+    n = nblk * block_size
+    raw = req_to_token[row, start:start + n].to(torch.int64)
+    if raw.shape[0] < n:  # the last block runs past the table's width: those positions are masked anyway
+        raw = torch.cat([raw, raw.new_zeros(n - raw.shape[0])])
+    raw = raw.view(nblk, block_size)
+    offsets = torch.arange(n).view(nblk, block_size)
+    valid = offsets < hi - start
+    if lo > start:
+        valid &= offsets >= lo - start
+    # masked positions read their block's first slot, as in the general form
+    slots = torch.where(valid, raw, raw[:, :1])
+    block_req = torch.zeros(capacity, dtype=torch.int64)
+    if nblk < capacity:  # unused blocks: row 1 (= bs), slot 0, nothing valid
+        block_req[nblk:] = 1
+        slots = torch.cat([slots, slots.new_zeros(capacity - nblk, block_size)])
+        valid = torch.cat([valid, valid.new_zeros(capacity - nblk, block_size)])
     units = slots[:, ::unit] // unit if unit > 1 else None
     return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units)
 
@@ -218,7 +259,7 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return o.reshape(bs, hq, d).to(q.dtype)
 
 
-@torch.library.custom_op("compiled_attn::merge_blocks", mutates_args=())
+@opaque_op
 def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req: torch.Tensor,
                  num_rows: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge per-block partial softmaxes into one output per request (log-sum-exp rule).
@@ -234,6 +275,6 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     return merge_partials(m, lsum, o, block_req, num_rows, sinks)
 
 
-@merge_blocks.register_fake
+@torch.library.register_fake(merge_blocks)
 def _merge_blocks_fake(m, lsum, o, block_req, num_rows, sinks=None):
     return o.new_empty((num_rows, *o.shape[1:]), dtype=torch.float32)

@@ -26,6 +26,7 @@ from .block_flash import (
     sequence_attention,
 )
 from .merge import apply_sinks, merge_partials
+from .opaque import opaque_op
 
 #: a single request is run in one kernel call up to this many L2-sized chunks (16 MiB of float32 K: 4096 tokens
 #: of llama-3-8b's 8 KV heads); longer ones in equal segments of at most this size
@@ -34,15 +35,6 @@ SINGLE_REQUEST_CHUNKS = 16
 DENSE_WASTE = 1.25
 #: ... and its gathered float32 K at most this many bytes (larger gathers lose the L2 reuse of the chunked path)
 DENSE_BYTES = 4 * CHUNK_BYTES
-
-
-@torch.library.custom_op("compiled_attn::decode_flash", mutates_args=())
-def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
-                 valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
-                 k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``decode_flash_eager`` as one opaque op for ``torch.compile``."""
-    return decode_flash_eager(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit, k_scale,
-                              v_scale, sinks)
 
 
 def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
@@ -80,7 +72,16 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return merge_partials(lse, torch.ones_like(lse), o, block_req, bs, sinks)
 
 
-@decode_flash.register_fake
+@opaque_op
+def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                 valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
+                 k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``decode_flash_eager`` as one opaque op for ``torch.compile`` (``opaque.py``)."""
+    return decode_flash_eager(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit, k_scale,
+                              v_scale, sinks)
+
+
+@torch.library.register_fake(decode_flash)
 def _decode_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit=1, k_scale=1.0,
                        v_scale=1.0, sinks=None):
     return q.new_empty(q.shape, dtype=torch.float32)

@@ -1,14 +1,20 @@
 """The two decode forms: ATen's CPU flash kernel over chunked gathers (``block_flash``, the CPU default) and the
 matmul form (what CUDA runs; tested here on CPU as its twin). Both against the float64 reference, the chunking
 against a plain per-block softmax, and the automatic choice."""
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import reference_attention
 
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.block_flash import block_attention, chunk_blocks_for, supports_block_flash
 from compiled_attn.compile_policy import compile_step
+from compiled_attn.decode import _batched_index, _single_request_index, decode_blocks_needed
+from compiled_attn.metadata import DecodeInputs
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 LENS = [5, 70, 1, 130, 0, 64, 65]  # one block, several, exactly one block, a partial block, an empty row
@@ -177,3 +183,28 @@ def test_chunks_switch_to_threads_when_one_runs_slow(monkeypatch, page_size):
         torch.set_num_threads(threads)
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, lse_ref, atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16, 64]), block_size=st.sampled_from([8, 16, 24]))
+def test_single_request_index_equals_the_tensor_form(data, page_size, block_size):
+    """A batch of one on CPU builds its index on the host (``_single_request_index``); it must equal the traced
+    form field by field: windowed ranges (``kv_lo`` > 0, not page-aligned), empty ranges, capacity padding, a range
+    ending at the table's last column (its last block runs past the width)."""
+    width = data.draw(st.integers(1, 6)) * 32
+    hi = data.draw(st.integers(0, width))
+    lo = data.draw(st.integers(0, hi))
+    table = torch.randint(0, 10_000, (3, width), dtype=torch.int32)
+    unit = math.gcd(page_size, block_size)
+    needed = int(decode_blocks_needed(torch.tensor([lo]), torch.tensor([hi]), block_size, page_size))
+    capacity = needed + data.draw(st.integers(0, 3))
+    inputs = DecodeInputs(torch.tensor([data.draw(st.integers(0, 2))]), torch.tensor([lo]), torch.tensor([hi]),
+                          torch.arange(capacity), torch.arange(block_size))
+    host, traced = _single_request_index(table, inputs, unit), _batched_index(table, inputs, unit)
+    assert host.unit == traced.unit
+    for name in ("block_req", "slots", "valid", "units"):
+        a, b = getattr(host, name), getattr(traced, name)
+        if a is None or b is None:
+            assert a is b, name
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), name

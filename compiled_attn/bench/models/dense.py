@@ -5,25 +5,28 @@ about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) runs these proje
 than oneDNN (docs/performance.md). Serving stacks pack their CPU weights for oneDNN too (SGLang's CPU path
 does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses cuBLAS, so only CPU float32 is rerouted.
 
-The oneDNN call sits in a custom op because inductor lowers ``mkldnn._linear_pointwise`` only for weights it
-packed itself (under freezing); as an opaque op the compiled step calls the same kernel the eager backends do.
+The oneDNN call sits in an opaque op (``compiled_attn.opaque``) because inductor lowers
+``mkldnn._linear_pointwise`` only for weights it packed itself (under freezing); as an opaque op the compiled step
+calls the same kernel the eager backends do.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ...opaque import opaque_op
+
 # a property of this torch build, read once: dynamo will not trace the query inside a compiled step
 _ONEDNN = torch.backends.mkldnn.is_available()
 
 
-@torch.library.custom_op("compiled_attn::onednn_linear", mutates_args=())
+@opaque_op
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [n, in] float32 CPU; weight: [out, in] -> [n, out] (``x @ weight.T``)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
 
 
-@onednn_linear.register_fake
+@torch.library.register_fake(onednn_linear)
 def _onednn_linear_fake(x, weight):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
