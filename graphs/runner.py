@@ -48,9 +48,18 @@ from graphs.runner_helpers import (
 from graphs.static_buffers import StaticBuffers
 from profiling import range as prof_range
 
-__all__ = ["GraphRunner", "RunnerStats", "Outputs", "StepFn"]
+__all__ = ["EAGER_MARGIN", "GraphRunner", "RunnerStats", "Outputs", "StepFn", "faster_form"]
 
 _log = logging.getLogger(__name__)
+
+#: the eager step must beat the compiled one by this fraction to be chosen (noise must not flip a choice)
+EAGER_MARGIN = 0.05
+
+
+def faster_form(compiled_s: float, eager_s: float, margin: float = EAGER_MARGIN) -> str:
+    """"compiled" or "eager": which of two measured step times a bucket replays (compiled unless eager is faster
+    by ``margin``)."""
+    return "eager" if eager_s < compiled_s * (1 - margin) else "compiled"
 
 
 
@@ -111,8 +120,7 @@ class GraphRunner:
                   timings (``choice``, ``compiled_s``, ``eager_s``).
     """
 
-    #: the eager step must beat the compiled one by this fraction to be chosen (noise must not flip a choice)
-    EAGER_MARGIN = 0.05
+    EAGER_MARGIN = EAGER_MARGIN  # per runner, so a test can change it
 
     def __init__(
         self,
@@ -251,7 +259,7 @@ class GraphRunner:
                 synchronize(self.device)
                 samples[name].append(time.perf_counter() - t0)
         compiled_s, eager_s = (sorted(v)[len(v) // 2] for v in samples.values())
-        choice = "eager" if eager_s < compiled_s * (1 - self.EAGER_MARGIN) else "compiled"
+        choice = faster_form(compiled_s, eager_s, self.EAGER_MARGIN)
         entry.fn = self._eager if choice == "eager" else self._fn
         _log.info("bucket %s replays the %s step (compiled %.3f ms, eager %.3f ms)", describe(entry.attrs), choice,
                   compiled_s * 1e3, eager_s * 1e3)

@@ -145,6 +145,7 @@ def test_sweep_len_rows_agree_with_loop_and_have_the_bound(capsys):
                            "--no-malloc-tuning"]) == 0
     text = capsys.readouterr().out
     assert "compiled_us/1k" in text and "read_us/1k" in text and "contention: 1 spinning process" in text
+    assert "served_x" in text
     assert "mla decode" not in text  # --sweep-len alone runs the sweep only
     lines = [ln.split() for ln in text.splitlines()]
     rows = {int(ln[0]): ln for ln in lines if ln and ln[0] in ("64", "200")}
@@ -196,3 +197,23 @@ def test_bad_timing_flags_are_one_line(argv, words, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_served_form_follows_the_warm_up_measurement():
+    """bench-ops' "served" column: what a DecodeGraphs bucket replays, from the same rule (graphs.faster_form)."""
+    import time
+
+    from compiled_attn.bench.ops import served_form
+    from graphs.runner import EAGER_MARGIN, faster_form
+
+    def slow():
+        time.sleep(0.01)
+
+    def fast():
+        pass
+
+    assert served_form(compiled=slow, eager=fast) == "eager"
+    assert served_form(compiled=fast, eager=slow) == "compiled"
+    # within the margin the compiled step is kept: noise must not flip a bucket to eager
+    assert faster_form(1.0, 1.0 - EAGER_MARGIN / 2) == "compiled"
+    assert faster_form(1.0, 1.0 - 2 * EAGER_MARGIN) == "eager"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from graphs.runner import EAGER_MARGIN, faster_form
 from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
@@ -55,6 +56,13 @@ def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
     return out.view(torch.float32) if out.dtype != torch.float32 and out.numel() * out.element_size() % 4 == 0 else out
 
 
+def served_form(compiled, eager, iters: int = 2) -> str:
+    """What a bucket of ``DecodeGraphs`` would replay for this op: its warm-up's measurement (``iters``
+    interleaved runs of each after a first call, medians) and ``graphs.faster_form``: "compiled" or "eager"."""
+    t = time_interleaved({"compiled": compiled, "eager": eager}, warmup=1, iters=iters)
+    return faster_form(median(t["compiled"]), median(t["eager"]))
+
+
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
                lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
                kv_dtype: torch.dtype | None = None) -> dict:
@@ -92,6 +100,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     ref = loop()
     for fn in (eager, comp):  # the three must agree before any of them is timed
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
+    served = served_form(comp, eager)
     fns = {"loop": loop, "eager": eager, "compiled": comp}
     if bound:
         kv = _kv_bytes_copy(b, lens, shape.mla)
@@ -104,6 +113,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
            "kv": str(kv_dtype).replace("torch.", "").replace("float8_", "fp8_"), "loop_ms": t["loop"] * 1e3,
            "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
            "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
+           "served": served, "served_x": t["loop"] / t[served],
            "compiled_GBps": kv_bytes / t["compiled"] / 1e9, "tokens": sum(lens), "kv_bytes": kv_bytes}
     if bound:
         row["read_ms"] = t["read"] * 1e3
@@ -155,10 +165,12 @@ def _run_cases(args) -> None:
                 for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
                 for page in args.page_size for kv in kv_dtypes]
         cols = ["op", "bs", "lens", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
-                "compiled_x", "x_read", "compiled_GBps"]
+                "compiled_x", "served", "served_x", "x_read", "compiled_GBps"]
         print(format_table(rows, cols), flush=True)
         print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
-              "GBps: the cache bytes stored (in the cache's dtype) / compiled time")
+              "GBps: the cache bytes stored (in the cache's dtype) / compiled time; served: the form a DecodeGraphs "
+              "bucket replays (its warm-up times compiled against eager and keeps compiled unless eager is "
+              f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop")
     if "verify" in ops:
         from .ops_verify import COLUMNS as VERIFY_COLUMNS
         from .ops_verify import bench_verify_case

@@ -15,7 +15,7 @@ from .ops import bench_case
 
 SWEEP_LENS = [64, 256, 1024, 2048, 4096, 4160, 8192, 16384]
 COLUMNS = ["len", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "loop_us/1k", "eager_us/1k", "compiled_us/1k",
-           "read_us/1k", "eager_x", "compiled_x", "compiled/read"]
+           "read_us/1k", "eager_x", "compiled_x", "served", "served_x", "compiled/read"]
 STEP_FACTOR = 1.25  # a rise in time per token this large between neighbouring lengths is called a step
 
 
@@ -24,7 +24,7 @@ def sweep_row(length: int, *, iters: int, dtype) -> dict:
     r = bench_case("mha", 1, str(length), iters=iters, dtype=dtype, lens=[length], bound=True)
     per_1k = 1e3 * 1e3 / length  # ms per call -> us per 1k tokens
     row = {"len": length, **{k: r[k] for k in ("loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
-                                                "compiled_x")}}
+                                                "compiled_x", "served", "served_x")}}
     for name in ("loop", "eager", "compiled", "read"):
         row[f"{name}_us/1k"] = r[f"{name}_ms"] * per_1k
     row["compiled/read"] = r["compiled_ms"] / r["read_ms"]
