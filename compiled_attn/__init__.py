@@ -1,7 +1,7 @@
 """compiled-attn: static-shape, compiled, graph-captured torch-native attention (MHA and MLA) for LLM serving.
 
-The library is this package's top level (plan, run, KV pools, compile policy, bucketed decode graphs); its SGLang
-integration is ``compiled_attn.sglang`` and its benchmark tooling ``compiled_attn.bench``.
+The library is this package's top level (plan, run, KV pools, compile policy, bucketed decode, extend and verify
+graphs); its SGLang integration is ``compiled_attn.sglang`` and its benchmark tooling ``compiled_attn.bench``.
 
 Names are imported on first use: SGLang imports ``compiled_attn.sglang.plugin`` in each of its processes, and
 that must not pull in the kernels (and register their custom ops) until the backend is created.
@@ -21,6 +21,7 @@ _EXPORTS = {
     "decode_graphs": ["DecodeGraphs", "GraphConfig", "RowInput"],
     "verify": ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "plan_verify", "verify_attention",
                "verify_blocks"],
+    "verify_graphs": ["VerifyGraphs", "VerifyKey"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

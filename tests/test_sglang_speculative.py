@@ -15,7 +15,7 @@ pytest.importorskip("sglang")
 
 from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
-from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
+from compiled_attn.sglang.speculative import mask_layout, mask_numel  # noqa: E402
 from compiled_attn.verify import chain_mask  # noqa: E402
 
 SG = H.import_sglang()
@@ -207,3 +207,139 @@ def test_draft_extend_v2_is_a_plain_extend():
     out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
     chain = chain_mask(len(PREFIX), K)
     torch.testing.assert_close(out.double(), _reference(batch, chain), atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- TARGET_VERIFY graph hooks
+# SGLang's CPU graph runner refuses speculative decoding, so the hooks are driven here the way its CUDA graph runner
+# drives them (decode_cuda_graph_runner.py): static input buffers of max_bs rows (max_bs * k tokens), a capture per
+# batch size (out-of-graph hook, then the recorded part: in-graph hook and the layers), and replays that refill the
+# buffers (padding: request row 0, the seq_len fill value, slot 0) and call the out-of-graph hook on a view. The
+# recorded part is compiled with fullgraph=True (a host read or a graph break fails it); its "replay" is a call of
+# the compiled function on the same buffers, which must not recompile.
+
+MAX_BS = 4
+
+
+def _runner_buffers(backend, g, layer_ids, max_bs=MAX_BS, k=K):
+    """The runner's static inputs (runner_utils/buffers.py): rows, seq_lens (+ CPU mirror), out_cache_loc, the
+    all-True custom mask get_spec_info hands the capture, and per layer the q/k/v a model would feed."""
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    n = max_bs * k
+    return SimpleNamespace(
+        req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), fill),
+        seq_lens_cpu=torch.full((max_bs,), fill), out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        custom_mask=torch.ones((max_bs * fill + n) * k, dtype=torch.bool),
+        qkv={lid: (torch.zeros(n, g.num_heads * g.head_dim), torch.zeros(n, g.num_kv_heads, g.head_dim),
+                   torch.zeros(n, g.num_kv_heads, g.v_head_dim)) for lid in layer_ids})
+
+
+def _capture(backend, buf, layers, bs, compiles, k=K, compile=True):
+    """One graph of ``bs`` rows: the out-of-graph hook on the capture batch, then the recorded part compiled. As
+    SGLang's capture, on buffers reset to padding (seq_lens to the fill value, the index buffers to 0)."""
+    buf.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())
+    buf.seq_lens_cpu.copy_(buf.seq_lens)
+    buf.req_pool_indices.zero_()
+    buf.out_cache_loc.zero_()
+    fb = SG.ForwardBatch(forward_mode=SG.ForwardMode.TARGET_VERIFY, batch_size=bs,
+                         input_ids=torch.zeros(bs * k, dtype=torch.int64), req_pool_indices=buf.req_pool_indices[:bs],
+                         seq_lens=buf.seq_lens[:bs], seq_lens_cpu=buf.seq_lens_cpu[:bs],
+                         out_cache_loc=buf.out_cache_loc[: bs * k], seq_lens_sum=int(buf.seq_lens[:bs].sum()),
+                         positions=torch.zeros(bs * k, dtype=torch.int64),
+                         spec_info=SimpleNamespace(draft_token_num=k, topk=4, custom_mask=buf.custom_mask))
+
+    def recorded():
+        backend.init_forward_metadata_in_graph(fb)
+        return [backend.forward(*(t[: bs * k] for t in buf.qkv[layer.layer_id]), layer, fb) for layer in layers]
+
+    def count(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    # compile=False: the Python runs as it does inside a CUDA graph capture (an exception propagates as it is)
+    step = torch.compile(recorded, fullgraph=True, dynamic=False, backend=count) if compile else recorded
+    with H.parallel_scope(), SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=fb):
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        step()
+    return step
+
+
+def _replay(backend, buf, graphs, batch, spec, g):
+    """Copy the batch into the static buffers, pad it to the smallest captured size, run the out-of-graph hook on
+    the runner's view (live spec_info, num_padding) and replay. Returns the real rows' outputs per layer."""
+    n, fb = batch.num_real_reqs, batch.forward_batch
+    bs = min(b for b in graphs if b >= n)
+    buf.req_pool_indices.zero_()[:n] = fb.req_pool_indices
+    buf.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())[:n] = fb.seq_lens
+    buf.seq_lens_cpu.copy_(buf.seq_lens)
+    buf.out_cache_loc.zero_()[: n * K] = fb.out_cache_loc
+    for lid, (q, k, v) in buf.qkv.items():
+        ld = batch.layers[lid]
+        for dst, src in ((q, ld.q), (k, ld.k), (v, ld.v)):
+            dst.zero_()[: n * K] = src.view(n * K, *dst.shape[1:])
+    view = SimpleNamespace(batch_size=bs, forward_mode=SG.ForwardMode.TARGET_VERIFY, num_padding=bs - n,
+                           req_pool_indices=buf.req_pool_indices[:bs], seq_lens=buf.seq_lens[:bs],
+                           seq_lens_cpu=buf.seq_lens_cpu[:bs], out_cache_loc=fb.out_cache_loc, spec_info=spec)
+    with H.parallel_scope(), SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=fb):
+        backend.init_forward_metadata_out_graph(view)
+        outs = graphs[bs]()
+    assert all(o.shape[0] == bs * K and torch.isfinite(o).all() for o in outs)
+    return [o[: n * K] for o in outs]
+
+
+@pytest.mark.parametrize(("geom", "layout", "page_size"), [("gqa", "draft", 1), ("gqa", "full", 1),
+                                                          ("gqa", "draft", 16), ("mla_absorbed", "full", 1)])
+def test_target_verify_graph_capture_and_replay(monkeypatch, geom, layout, page_size):
+    """Graphs of 2 and 4 rows on one set of static buffers; three batches (a tree padded 3 -> 4, a chain of 2, a
+    tree of 4) replayed through them equal the float64 reference and the eager TARGET_VERIFY path; no recompile."""
+    import compiled_attn.sglang.speculative as S
+    import compiled_attn.sglang.speculative_graphs as SGR
+    monkeypatch.setattr(SGR, "mask_layout", lambda device: layout)
+    monkeypatch.setattr(S, "mask_layout", lambda device: layout)
+    torch._dynamo.reset()  # every capture here compiles the same code: its own cache entries, under the limit
+    g = H.GEOMETRIES[geom]
+    mr = H.make_model_runner(g, num_layers=2, seed=21, page_size=page_size)
+    backend = CompiledAttnBackend(mr)
+    backend.init_cuda_graph_state(MAX_BS, MAX_BS * K)
+    layers = [H.make_layer(g, 0), H.make_layer(g, 1)]
+    buf, compiles = _runner_buffers(backend, g, (0, 1)), []
+    graphs = {bs: _capture(backend, buf, layers, bs, compiles) for bs in (4, 2)}  # largest first, as SGLang
+    assert len(compiles) == 2
+    for prefix, tree, seed in (([5, 0, 40], True, 1), ([17, 60], False, 2), ([33, 2, 9, 70], True, 3)):
+        masks = _tree_masks(len(prefix), K, seed) if tree else chain_mask(len(prefix), K)
+        spec = SimpleNamespace(draft_token_num=K, topk=4 if tree else 1,
+                               custom_mask=_flat_mask(masks, prefix, layout) if tree else None)
+        batch = _verify_batch(mr, prefix, K, spec, layer_ids=(0, 1))
+        outs = _replay(backend, buf, graphs, batch, spec, g)
+        eager = _run_layers(CompiledAttnBackend(mr), batch, layers)
+        for lid, (out, ref) in enumerate(zip(outs, eager, strict=True)):
+            torch.testing.assert_close(out.double(), _reference(batch, masks, lid), atol=1e-4, rtol=0)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert len(compiles) == 2, "a replay recompiled the recorded part"
+
+
+def test_target_verify_graph_errors(monkeypatch):
+    """Host checks before a replay: a batch beyond the captured KV capacity, a draft count never captured, a mask
+    of the wrong size; a sliding-window layer refuses to be captured."""
+    monkeypatch.setenv("COMPILED_ATTN_GRAPH_KV_TOKENS", "64")
+    torch._dynamo.reset()
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=22, max_context_len=1024)
+    backend = CompiledAttnBackend(mr)
+    backend.init_cuda_graph_state(2, 2 * K)
+    buf, compiles = _runner_buffers(backend, g, (0,), max_bs=2), []
+    graphs = {2: _capture(backend, buf, [H.make_layer(g)], 2, compiles)}
+    cap = backend.graph.verify[K]
+    assert cap.draft_mask.shape == (2, K, K) and cap.block_size == 256
+    spec = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
+    batch = _verify_batch(mr, [600, 700], K, spec)  # 6 blocks of 256; 64 KV tokens: 1 block + 1 per row
+    with pytest.raises(ValueError, match="COMPILED_ATTN_GRAPH_KV_TOKENS"):
+        _replay(backend, buf, graphs, batch, spec, g)
+    batch = _verify_batch(mr, [3, 9], K, spec)
+    with pytest.raises(RuntimeError, match="no TARGET_VERIFY graph was captured with draft_token_num=2"):
+        _replay(backend, buf, graphs, batch, SimpleNamespace(draft_token_num=2, topk=1, custom_mask=None), g)
+    short = mask_numel(torch.tensor([3, 9]), K, mask_layout(torch.device("cpu"))) - 1
+    bad = SimpleNamespace(draft_token_num=K, topk=4, custom_mask=torch.ones(short, dtype=torch.bool))
+    with pytest.raises(ValueError, match=f"custom_mask has {short} elements"):
+        _replay(backend, buf, graphs, batch, bad, g)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        _capture(backend, buf, [H.make_layer(g, 0, 8)], 2, compiles, compile=False)

@@ -9,9 +9,10 @@ Per forward, ``init_forward_metadata`` records the batch; the host-side plan (``
 and the per-step index (``build_decode_index`` / ``build_extend_tile_index``) are built once per *layer configuration*
 ``(sliding window, cross-attention, causal)`` on its first layer and shared by every later layer of that forward.
 
-Graphs (decode only, as SGLang captures only decode): SGLang keys a graph by batch size alone, so the KV work a
-graph does is fixed when it is captured. Each batch size ``bs`` gets a block capacity (blocks of ``block_size``
-KV tokens; the flat list of all requests' blocks is what ``decode_blocks`` computes over)::
+Graphs (decode here; ``TARGET_VERIFY``, which SGLang captures under speculative decoding, in
+``speculative_graphs``): SGLang keys a graph by batch size alone, so the KV work a graph does is fixed when it is
+captured. Each batch size ``bs`` gets a block capacity (blocks of ``block_size`` KV tokens; the flat list of all
+requests' blocks is what ``decode_blocks`` computes over)::
 
     capacity(bs) = min(bs * ceil(max_context_len / block_size),         # every request at full context
                        ceil(kv_tokens / block_size) + bs)               # the pool's tokens, + one partial block/row
@@ -43,6 +44,7 @@ from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
 from ..metadata import DecodeInputs
 from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
+    GRAPH_KV_TOKENS_ENV,
     GraphState,
     check_kwargs,
     check_mode,
@@ -51,9 +53,9 @@ from .backend_util import (
     layer_logit_cap,
     layer_window,
 )
-from .speculative import forward_target_verify
+from .speculative import VERIFY_KEY, forward_target_verify
+from .speculative_graphs import verify_in_graph, verify_out_graph
 
-GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
 
 # (sliding window or None, is cross-attention); extend adds causal (and its index key, the CPU flash form)
@@ -182,11 +184,14 @@ class CompiledAttnBackend(AttentionBackend):
     get_cpu_graph_seq_len_fill_value = get_cuda_graph_seq_len_fill_value
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Host-side checks before a decode graph's capture or replay (``forward_batch`` may be a view)."""
+        """Host-side checks before a decode or TARGET_VERIFY graph's capture or replay (``forward_batch`` may be a
+        view)."""
         mode = getattr(forward_batch, "forward_mode", None)
+        if mode is not None and mode.is_target_verify():
+            return verify_out_graph(self, forward_batch, in_capture)
         if mode is not None and not mode.is_decode():
-            raise NotImplementedError(f"compiled_attn: graphs are supported for decode only, got {mode!r}; "
-                                      "disable prefill graphs (--cuda-graph-backend-prefill disabled)")
+            raise NotImplementedError(f"compiled_attn: graphs are supported for decode and TARGET_VERIFY only, got "
+                                      f"{mode!r}; disable prefill graphs (--cuda-graph-backend-prefill disabled)")
         if self.graph is None:
             raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
         self._check_capacity(forward_batch)
@@ -220,6 +225,11 @@ class CompiledAttnBackend(AttentionBackend):
         every known layer configuration (pure tensor code, fixed shapes per batch size)."""
         if self.graph is None:
             raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is not None and mode.is_target_verify():
+            state = self.forward_metadata = _ForwardState(forward_batch, static=True)
+            state.extend[VERIFY_KEY] = verify_in_graph(self, forward_batch)
+            return
         state = _ForwardState(forward_batch, static=True,
                               inputs=(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                       getattr(forward_batch, "encoder_lens", None)))

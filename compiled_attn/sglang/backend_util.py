@@ -2,7 +2,7 @@
 host-side reading of a layer's and a batch's settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,6 +10,9 @@ from graphs import cdiv
 
 from ..decode import gather_unit
 from ..plan import normalize_window
+
+#: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
+GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
 
 
 def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block_size: int,
@@ -47,6 +50,8 @@ class GraphState:
     kv_hi: torch.Tensor  # [max_bs] int64
     block_ids: torch.Tensor  # [capacity(max_bs)] int64 arange; a graph of bs rows reads [:capacity(bs)]
     block_offsets: torch.Tensor  # [block_size] int64 arange
+    # TARGET_VERIFY graphs' buffers per draft token count k (``speculative_graphs.VerifyGraphState``), made at capture
+    verify: dict = field(default_factory=dict)
 
 
 def host_int64(cpu_copy, tensor) -> torch.Tensor:

@@ -17,9 +17,13 @@ The custom mask's layout is the tree-mask mode SGLang's draft stage picks: a bac
 request's ``num_draft_tokens`` new tokens after its prefix, ``seq_lens`` including them) and the triton backend
 runs it as a plain causal extend, so the backend's extend path serves it.
 
-Graphs: SGLang's CPU graph runner captures decode only; CUDA-graph capture of ``TARGET_VERIFY`` is refused by
-the backend's graph hooks (``init_forward_metadata_out_graph``), so verify runs eagerly or under the model's
-``torch.compile``.
+Graphs: with speculative decoding on, SGLang's CUDA graph runner captures ``TARGET_VERIFY`` (one graph per batch
+size, ``bs * k`` tokens) and the backend's graph hooks serve it (``speculative_graphs``): host checks and the copy
+of the step's tree mask into a static buffer out of the graph, the verify index built from static buffers in it;
+each layer then runs the same ``verify_blocks`` as eagerly. Chains and trees in both mask layouts, padded batch
+sizes, pages and absorbed MLA are tested that way. Not captured: sliding-window layers (their chain runs as a
+planned extend: ``NotImplementedError`` at capture). SGLang's CPU graph runner refuses speculative decoding, so on
+CPU verify runs eagerly or under the model's ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -67,11 +71,24 @@ def mask_layout(device: torch.device) -> str:
     raise NotImplementedError(f"compiled_attn: tree mask mode {mode!r} is not supported (QLEN_ONLY or FULL_MASK)")
 
 
-def _mask_of(spec_info, prefix: torch.Tensor, k: int, layout: str) -> torch.Tensor:
+def mask_numel(prefix: torch.Tensor, k: int, layout: str) -> int:
+    """Elements of a custom mask of this batch in ``layout`` (``verify_masks``' module docstring)."""
+    return prefix.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix, k)
+
+
+def mask_of(spec_info, prefix: torch.Tensor, k: int, layout: str) -> torch.Tensor:
     """The batch's part of the custom mask: SGLang may hand a pre-allocated buffer longer than the batch needs."""
     mask = spec_info.custom_mask
-    need = prefix.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix, k)
+    need = mask_numel(prefix, k, layout)
     return mask[:need] if mask.numel() > need else mask
+
+
+def with_written_slots(index: VerifyIndex, out_cache_loc, bs: int, k: int) -> VerifyIndex:
+    """The draft keys read where this forward wrote them (``out_cache_loc``, ``bs * k`` slots request-major; the
+    table holds the same slots); the table's slots when ``out_cache_loc`` is absent or of another size."""
+    if out_cache_loc is None or out_cache_loc.numel() != bs * k:
+        return index
+    return replace(index, draft_slots=out_cache_loc.view(bs, k).to(torch.int64))
 
 
 def _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks) -> torch.Tensor:
@@ -110,24 +127,33 @@ def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
     mask, layout = None, "draft"
     if not is_chain(spec):
         layout = mask_layout(q3.device)
-        mask = _mask_of(spec, prefix, k, layout)
+        mask = mask_of(spec, prefix, k, layout)
     meta = plan_verify(q3, k_cache, v_cache, backend.req_to_token, forward_batch.req_pool_indices,
                        prefix.to(q3.device), k, mask, mask_layout=layout, page_size=backend.page_size)
     index = build_verify_index(backend.req_to_token, meta.inputs, backend.page_size)
-    loc = forward_batch.out_cache_loc
-    if loc is not None and loc.numel() == bs * k:  # where this forward wrote the draft K/V (the table agrees)
-        index = replace(index, draft_slots=loc.view(bs, k).to(torch.int64))
-    return index
+    return with_written_slots(index, forward_batch.out_cache_loc, bs, k)
+
+
+def _verify_state(backend, forward_batch):
+    """A graph's static state (``init_forward_metadata_in_graph`` built its verify index from the static buffers),
+    else this forward's eager state."""
+    state = backend.forward_metadata
+    if state is not None and state.static and VERIFY_KEY in state.extend:
+        return state
+    return backend._state_for(forward_batch, decode=False)
 
 
 def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, sinks=None) -> torch.Tensor:
     """One layer of ``TARGET_VERIFY``: q3 [bs * k, Hq, Dqk] over the pool -> [bs * k, Hq * Dv]."""
     if layer.is_cross_attention:
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
+    state = _verify_state(backend, forward_batch)
     window = layer_window(layer)
     if window is not None:
+        if state.static:  # its plan_extend reads the lengths on the host: no graph can record it
+            raise NotImplementedError("compiled_attn: TARGET_VERIFY graphs with sliding-window layers are not "
+                                      "supported yet; disable CUDA graphs (--disable-cuda-graph)")
         return _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks)
-    state = backend._state_for(forward_batch, decode=False)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
         index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)

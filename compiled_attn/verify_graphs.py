@@ -1,0 +1,251 @@
+"""Bucketed verify steps (speculative decoding's ``k`` draft tokens per request): the twin of ``decode_graphs``.
+
+A verify step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of ``VerifyInputs``
+(``verify_inputs_of(inputs)`` picks them) plus the caller's per-token inputs (the draft tokens' queries, new K/V,
+output slots, ...), and whose ``persistent`` tensors are the KV caches and ``req_to_token``. A per-token input
+reaches the step as ``[bs, k, *shape]`` (request-major, as SGLang packs the draft tokens); the step flattens it
+to ``[bs * k, *shape]`` for ``verify_blocks`` and returns token-major outputs, ``[bs * k, ...]``.
+
+The graph key is ``VerifyKey(batch bucket, draft length k, KV-token bucket)``: every shape of a step follows from
+those three (``draft_mask`` is ``[bs, k, k]``, the per-token inputs ``[bs, k, ...]``, the prefix blocks
+``kv_tokens / block_size``). The step is compiled once (``compile_policy``: ``fullgraph=True``, dynamic sizes; one
+graph served every key in the tests) and each key is then captured (CUDA) or replayed on its static buffers (CPU)
+like a decode bucket, through the same ``graphs.GraphRunner`` (with its measured compiled-vs-eager choice on CPU)
+and the same ``GraphConfig`` switches. The draft lengths are configured (``draft_lens``, e.g. SGLang's
+``--speculative-num-draft-tokens``): a batch of another ``k`` is refused rather than compiled on the fly, so
+nothing compiles after warm-up.
+
+Every ``k`` uses ``config.block_size`` for its prefix blocks (plan with ``VerifyGraphs.plan`` or
+``plan_verify(block_size=config.block_size)``). On CPU the flash form reads a request's blocks as one run, so the
+block length only sizes the index; the matmul form (CUDA) copies a request's ``k * Hq`` query rows per block, so
+there a larger ``block_size`` (``verify.verify_block_size(k)``) keeps that copy small.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv
+from graphs.runner_helpers import slice_rows
+
+from . import validate
+from .compile_policy import compile_step
+from .decode_graphs import GraphConfig, RowInput, cache_slots
+from .verify import VerifyInputs, VerifyMetadata, plan_verify
+
+#: the per-request fields of ``VerifyInputs`` (block_ids and block_offsets are unbatched aranges)
+ROW_FIELDS = ("req_rows", "prefix_lens", "draft_mask")
+
+
+class VerifyKey(NamedTuple):
+    """A bucket: ``bs`` request rows of ``k`` draft tokens each over ``kv_tokens`` prefix tokens of blocks."""
+
+    bs: int
+    k: int
+    kv_tokens: int
+
+
+def verify_inputs_of(tensors: Mapping[str, torch.Tensor]) -> VerifyInputs:
+    """The ``VerifyInputs`` fields picked by name from a mapping that may hold more (a bucket's static buffers)."""
+    return VerifyInputs(*(tensors[name] for name in VerifyInputs._fields))
+
+
+def _check_draft_lens(draft_lens) -> tuple[int, ...]:
+    if isinstance(draft_lens, (str, bytes)) or not isinstance(draft_lens, Sequence) or not draft_lens:
+        raise ValueError(f"draft_lens must be a non-empty list of ints >= 1 (the draft token counts to warm), "
+                         f"got {draft_lens!r}")
+    for k in draft_lens:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"draft_lens must hold ints >= 1, got {k!r} in {list(draft_lens)!r}")
+    return tuple(sorted(set(draft_lens)))
+
+
+class VerifyGraphs:
+    """Warm-up and replay of a verify step over ``VerifyKey`` (batch bucket, draft length, KV-token bucket) keys.
+
+    ``run`` takes the real batch's ``VerifyMetadata`` (planned without padding, ``block_size=config.block_size``)
+    and its per-token inputs (``[num_real * k, *shape]`` each), picks the smallest bucket of its ``k`` that holds
+    it, copies the rows into that bucket's static buffers and replays. A batch beyond the largest batch or KV bucket
+    runs the step on its own shapes without a graph (warned once).
+
+    draft_lens:   the draft token counts ``k`` to warm; another ``k`` is a ValueError.
+    token_inputs: the step's per-token inputs (``RowInput``: trailing shape after the token dim, dtype, the value
+        padded rows get; ``slots=True``: KV slots, checked before a replay when ``check_slots``).
+    check_slots: check the slot inputs lie in ``[0, num_slots)`` before a replay (a host read; the table entries a
+        batch reads are checked by ``plan_verify(check_slots=True)``, its default).
+    """
+
+    def __init__(self, step_fn: Callable, *, config: GraphConfig, draft_lens: Sequence[int],
+                 device: torch.device | str, token_inputs: Mapping[str, RowInput], check_slots: bool = True):
+        if not isinstance(config, GraphConfig):
+            raise TypeError(f"config must be a GraphConfig, got {type(config).__name__}")
+        for name, spec in token_inputs.items():
+            if not isinstance(spec, RowInput):
+                raise TypeError(f"token_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+            if name in VerifyInputs._fields:
+                raise ValueError(f"token_inputs[{name!r}] clashes with the VerifyInputs field of the same name")
+        self.draft_lens = _check_draft_lens(draft_lens)
+        self.config = config
+        self.device = torch.device(device)
+        self.policy = config.policy()
+        for kv in self.policy.kv_capacities:
+            if kv % config.block_size:
+                raise ValueError(f"kv capacity {kv} is not a multiple of block_size={config.block_size}")
+        self.token_inputs = dict(token_inputs)
+        self.check_slots = check_slots
+        use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
+        compiled = compile_step(step_fn) if config.enable_torch_compile else None
+        keys = [VerifyKey(bs, k, kv) for bs, kv in self.policy.keys() for k in self.draft_lens
+                if self._reachable(bs, kv)]
+        fallback = compiled or step_fn
+        self.runners: list[GraphRunner] = []
+        # as DecodeGraphs: buckets above torch_compile_max_bs run the eager step (still captured on CUDA)
+        for group, fn in (([key for key in keys if key.bs <= config.torch_compile_max_bs], compiled),
+                          ([key for key in keys if key.bs > config.torch_compile_max_bs], None)):
+            if group:
+                self.runners.append(GraphRunner(
+                    fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
+                    use_cuda_graph=use_graph, fallback_fn=lambda i, p: fallback(i, p),
+                    warmup_iters=config.warmup_iters or (2 if use_graph else 1), progress=config.progress,
+                    eager_fn=step_fn if fn is not None and config.measure_compile else None))
+        self._runner_of = {key: r for r in self.runners for key in r.keys}
+        self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
+
+    def _reachable(self, bs: int, kv: int) -> bool:
+        """Whether ``bs`` requests can need this KV bucket (each reads < max_context_len prefix tokens)."""
+        if self.config.max_context_len is None:
+            return True
+        blocks = cdiv(self.config.max_context_len, self.config.block_size)
+        smaller = [c for c in self.policy.kv_capacities if c < kv]
+        return (max(smaller) if smaller else 0) < bs * blocks * self.config.block_size
+
+    # ---- buffers and warm-up ----
+
+    def _make_buffers(self, key: VerifyKey) -> StaticBuffers:
+        bs, k, kv_tokens = key
+        block = self.config.block_size
+        specs = {"req_rows": BufferSpec((bs,), torch.int64, fill=0),
+                 "prefix_lens": BufferSpec((bs,), torch.int64, fill=0),
+                 # padded rows: row 0, no prefix, every draft key visible (finite output, dropped)
+                 "draft_mask": BufferSpec((bs, k, k), torch.bool, fill=True),
+                 "block_ids": BufferSpec((kv_tokens // block,), torch.int64, batch_dim=None),
+                 "block_offsets": BufferSpec((block,), torch.int64, batch_dim=None)}
+        for name, spec in self.token_inputs.items():
+            specs[name] = BufferSpec((bs, k, *spec.shape), spec.dtype, fill=spec.fill)
+        buffers = StaticBuffers(specs, self.device)
+        buffers.tensors["block_ids"].copy_(torch.arange(kv_tokens // block))
+        buffers.tensors["block_offsets"].copy_(torch.arange(block))
+        if self.device.type == "cpu":
+            self._fill_warmup_batch(buffers, key)
+        return buffers
+
+    def _fill_warmup_batch(self, buffers: StaticBuffers, key: VerifyKey) -> None:
+        """CPU: warm a bucket on a batch that fills its blocks, every row reading request row 0 from position 0
+        (outputs discarded). On empty prefixes the CPU flash op reads nothing: the compiled-vs-eager measurement
+        would time nothing, and the first real batch would pay the kernel's first-call costs. Each real run then
+        overwrites every row, padding rows included."""
+        bs, k, kv_tokens = key
+        block = self.config.block_size
+        width = min(self._table_width, self.config.max_context_len or self._table_width)
+        nblk = kv_tokens // block
+        blocks = torch.full((bs,), nblk // bs, dtype=torch.int64)
+        blocks[: nblk % bs] += 1  # the bucket's blocks shared out, a row at most one more than another
+        buffers.tensors["prefix_lens"].copy_((blocks * block).clamp(0, max(width - k, 0)))
+
+    def warmup(self, persistent: Mapping[str, torch.Tensor],
+               choices: Mapping[VerifyKey, str] | None = None) -> dict:
+        """Compile and capture every bucket; returns ``{VerifyKey: {"compile_s", ...}}``. ``choices``: an earlier
+        start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
+        table = persistent.get("req_to_token")
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
+                             f"table every step indexes (keys: {sorted(persistent)})")
+        self._table_width = int(table.shape[1])
+        timings = {}
+        for runner in self.runners:
+            timings.update(runner.warmup(persistent, choices))
+        return {VerifyKey(*key): t for key, t in timings.items()}
+
+    # ---- run ----
+
+    def plan(self, q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
+             **kwargs) -> VerifyMetadata:
+        """``plan_verify`` with this object's block size (keyword arguments as ``plan_verify``'s)."""
+        return plan_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask,
+                           block_size=self.config.block_size, **kwargs)
+
+    def key_for(self, meta: VerifyMetadata) -> VerifyKey | None:
+        """The smallest warmed bucket of the batch's ``k`` that holds it, or None (fallback)."""
+        bs = self.policy.batch_bucket(meta.num_real)
+        tokens = meta.blocks_needed * self.config.block_size
+        if bs is None or tokens > self.policy.max_kv_tokens:
+            return None
+        return VerifyKey(bs, meta.draft_len, self.policy.kv_bucket(tokens))
+
+    def inputs_for(self, meta: VerifyMetadata, tokens: Mapping[str, torch.Tensor],
+                   key: VerifyKey | None) -> dict[str, torch.Tensor]:
+        """The real batch's step inputs: its rows, the bucket's block arange, per-token inputs as [n, k, ...]."""
+        n, k, planned = meta.num_real, meta.draft_len, meta.inputs
+        inputs = {name: getattr(planned, name)[:n] for name in ROW_FIELDS}
+        blocks = key.kv_tokens // self.config.block_size if key is not None else planned.block_ids.shape[0]
+        inputs["block_ids"] = torch.arange(blocks, device=self.device)
+        inputs["block_offsets"] = planned.block_offsets
+        inputs.update({name: t.view(n, k, *t.shape[1:]) for name, t in tokens.items()})
+        return inputs
+
+    def run(self, meta: VerifyMetadata, tokens: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]):
+        """One verify step; outputs cut to the real batch's ``num_real * k`` token rows (on CUDA graphs: views valid
+        until the next run)."""
+        self._check(meta, tokens, persistent)
+        key = self.key_for(meta)
+        runner = self._runner_of.get(key, self.runners[0])
+        out = runner.run(key if key in self._runner_of else None, self.inputs_for(meta, tokens, key), persistent)
+        return slice_rows(out, meta.num_real * meta.draft_len)
+
+    def _check(self, meta: VerifyMetadata, tokens: Mapping[str, torch.Tensor],
+               persistent: Mapping[str, torch.Tensor]) -> None:
+        """Host checks before a replay: inside one, a wrong shape or dtype would fail deep in the step or copy."""
+        if not isinstance(meta, VerifyMetadata):
+            raise TypeError(f"meta must be a VerifyMetadata (plan_verify), got {type(meta).__name__}")
+        k = meta.draft_len
+        if meta.num_real < 1:
+            raise ValueError(f"meta.num_real must be >= 1 (an empty batch has nothing to verify), got {meta.num_real}")
+        if k not in self.draft_lens:
+            raise ValueError(f"draft_len={k} is not among the configured draft_lens {list(self.draft_lens)}")
+        block = meta.inputs.block_offsets.shape[0]
+        if block != self.config.block_size:
+            raise ValueError(f"meta was planned with block_size={block}; these graphs use block_size="
+                             f"{self.config.block_size} (plan with VerifyGraphs.plan)")
+        for name in ROW_FIELDS:
+            t = getattr(meta.inputs, name)
+            if t.device != self.device:
+                raise ValueError(f"meta.inputs.{name} is on {t.device}, these graphs run on {self.device}")
+        missing, extra = sorted(set(self.token_inputs) - set(tokens)), sorted(set(tokens) - set(self.token_inputs))
+        if missing or extra:
+            raise ValueError(f"tokens: missing inputs {missing}, unexpected inputs {extra}; expected "
+                             f"{sorted(self.token_inputs)}")
+        n = meta.num_real * k
+        for name, spec in self.token_inputs.items():
+            t = tokens[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tokens[{name!r}] must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != (n, *spec.shape):
+                raise ValueError(f"tokens[{name!r}] has shape {tuple(t.shape)}, expected {(n, *spec.shape)} "
+                                 f"(num_real * draft_len = {meta.num_real} * {k} tokens first)")
+            # exact: the fallback passes inputs as they are, and another dtype there is another compile
+            if t.dtype != spec.dtype:
+                raise ValueError(f"tokens[{name!r}] has dtype {t.dtype}, expected {spec.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"tokens[{name!r}] is on {t.device}, these graphs run on {self.device}")
+            if spec.slots and self.check_slots:
+                validate.check_slot_values(f"tokens[{name!r}]", t, cache_slots(persistent))
+
+    @property
+    def stats(self):
+        return [r.stats for r in self.runners]
+
+    def choices(self) -> dict[VerifyKey, str]:
+        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
+        return {VerifyKey(*key): c for r in self.runners for key, c in r.choices().items()}
