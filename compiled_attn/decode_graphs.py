@@ -26,6 +26,8 @@ from .metadata import DecodeInputs, DecodeMetadata
 
 #: the per-row fields of ``DecodeInputs`` (req_rows, kv_lo, kv_hi; the other two are unbatched aranges)
 ROW_FIELDS = DecodeInputs._fields[:3]
+#: rows of a compiled bucket's buffers at least (``DecodeGraphs._make_buffers``)
+MIN_COMPILED_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,10 @@ class DecodeGraphs:
                     eager_fn=step_fn if fn is not None and config.measure_compile else None))
         self._runner_of = {k: r for r in self.runners for k in r.keys}
 
+    def _compiles(self, bs: int) -> bool:
+        """Whether buckets of ``bs`` rows run the compiled step (``enable_torch_compile``, ``torch_compile_max_bs``)."""
+        return self.config.enable_torch_compile and bs <= self.config.torch_compile_max_bs
+
     def _reachable(self, key: tuple[int, int]) -> bool:
         """Whether a batch of ``key[0]`` rows can need this KV bucket (each row reads <= max_context_len tokens,
         rounded up to whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
@@ -175,11 +181,15 @@ class DecodeGraphs:
 
     def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
         bs, kv_tokens = key
-        specs = {name: BufferSpec((bs,), torch.int64, fill=0) for name in ROW_FIELDS}
+        # A compiled step never sees a batch of one row: dynamo specializes a size of 1, so a one-row bucket would
+        # compile a second graph at start-up (4-10 s for bench-step's 4 layers) to save one padding row, which has
+        # an empty KV range (no attention work) and costs little in weight-bound projections.
+        rows = max(bs, MIN_COMPILED_ROWS) if self._compiles(bs) else bs
+        specs = {name: BufferSpec((rows,), torch.int64, fill=0) for name in ROW_FIELDS}
         specs["block_ids"] = BufferSpec((kv_tokens // self.config.block_size,), torch.int64, batch_dim=None)
         specs["block_offsets"] = BufferSpec((self.config.block_size,), torch.int64, batch_dim=None)
         for name, spec in self.row_inputs.items():
-            specs[name] = BufferSpec((bs, *spec.shape), spec.dtype, fill=spec.fill)
+            specs[name] = BufferSpec((rows, *spec.shape), spec.dtype, fill=spec.fill)
         buffers = StaticBuffers(specs, self.device)
         if self.device.type == "cpu":
             self._fill_warmup_batch(buffers, key)
@@ -194,7 +204,7 @@ class DecodeGraphs:
         width = min(self._table_width, self.config.max_context_len or self._table_width)
         bs, kv_tokens = key
         block = self.config.block_size
-        buffers.tensors["kv_hi"].fill_(min(max(kv_tokens // bs // block, 1) * block, width))
+        buffers.tensors["kv_hi"][:bs].fill_(min(max(kv_tokens // bs // block, 1) * block, width))
         buffers.tensors["block_ids"].copy_(torch.arange(kv_tokens // block))
         buffers.tensors["block_offsets"].copy_(torch.arange(block))
 
