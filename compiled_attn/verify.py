@@ -40,6 +40,7 @@ from .decode import (
 )
 from .kv_dtype import compute_dtype, dequantize
 from .metadata import DecodeInputs
+from .opaque import opaque_op
 from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
 
 __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "chain_mask",
@@ -310,7 +311,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
     return m, p.sum(-1), torch.matmul(p, vd)
 
 
-@torch.library.custom_op("compiled_attn::verify_flash", mutates_args=())
+@opaque_op
 def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                  valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int = 1,
                  k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +354,7 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return o, lse
 
 
-@verify_flash.register_fake
+@torch.library.register_fake(verify_flash)
 def _verify_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit=1, k_scale=1.0,
                        v_scale=1.0):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
