@@ -19,6 +19,7 @@ _EXPORTS = {
     "metadata": ["DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata"],
     "plan": ["DEFAULT_BLOCK_SIZE", "normalize_window", "plan_decode", "plan_extend"],
     "decode_graphs": ["DecodeGraphs", "GraphConfig", "RowInput"],
+    "extend_graphs": ["ExtendGraphConfig", "ExtendGraphs", "ExtendKey"],
     "verify": ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "plan_verify", "verify_attention",
                "verify_blocks"],
     "verify_graphs": ["VerifyGraphs", "VerifyKey"],

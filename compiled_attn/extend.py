@@ -19,6 +19,7 @@ softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,6 +59,11 @@ class ExtendTileInputs(NamedTuple):
     full: torch.Tensor
     q_ids: torch.Tensor
     k_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> ExtendTileInputs:
+        """The fields picked by name from a mapping that may hold more (a captured step's static buffers)."""
+        return cls(*(tensors[name] for name in cls._fields))
 
 
 @dataclass

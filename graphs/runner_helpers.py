@@ -13,7 +13,10 @@ Key = Hashable
 
 
 def key_attrs(key: Key) -> dict[str, Any]:
-    """Profiling/progress attributes of a key: ``(bs, kv)`` -> bs, kv; an int -> bs; anything else -> key."""
+    """Profiling/progress attributes of a key: a NamedTuple -> its fields; ``(bs, kv)`` -> bs, kv; an int -> bs;
+    anything else -> key."""
+    if isinstance(key, tuple) and hasattr(key, "_asdict"):  # a key that names its fields (e.g. tokens, pairs)
+        return dict(key._asdict())
     if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key):
         return {"bs": key[0], "kv": key[1]}
     if isinstance(key, int):

@@ -113,6 +113,11 @@ def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
     stats = res["setup"]["graph_stats"]
     assert sum(s["fallbacks"] for s in stats) == 0
     assert sum(s["replays"] for s in stats) == 24
+    # the prefills ran through ExtendGraphs, in the two buckets warmed for them (64 and 256 tokens; the pair bound
+    # of 4 requests x 77 tokens, 18, is the one pair bucket)
+    assert sorted(res["setup"]["prefill_buckets"]) == ["256x18", "64x18"]
+    assert (res["results"]["1"]["prefill_bucket"], res["results"]["4"]["prefill_bucket"]) == ("64x18", "256x18")
+    assert res["setup"]["prefill_graph_stats"] == {"replays": 2, "fallbacks": 0, "recaptures": 0}
 
 
 def test_compiled_trace_names_buckets_and_summary_matches_step_time(tmp_path):

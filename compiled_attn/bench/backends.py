@@ -5,12 +5,14 @@
   machinery than a benchmark baseline should carry when SGLang is importable at all).
 * ``eager``: ours, uncompiled: ``plan`` once per step (host), ``decode_blocks`` / ``extend_tiles`` per layer.
 * ``compiled``: the whole decode step (embedding to logits and argmax) as one step function, compiled and run
-  through ``DecodeGraphs`` (CUDA graphs per bucket on CUDA, compiled replay on static buffers on CPU), warmed
-  before the first request. Extend runs uncompiled, as in ``eager`` (see ``CompiledBackend``).
+  through ``DecodeGraphs`` (CUDA graphs per bucket on CUDA, compiled replay on static buffers on CPU), and the
+  prefill (embedding to the last layer's hidden states) through ``ExtendGraphs`` per (token, pair) bucket; both
+  warmed before the first request (see ``CompiledBackend``).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,15 @@ from profiling import range as prange
 
 from ..decode import build_decode_index, decode_blocks
 from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
-from ..extend import extend_tiles, supports_tile_flash, tile_index
+from ..extend import (
+    ExtendTileInputs,
+    build_extend_tile_index,
+    default_tile_q,
+    extend_tiles,
+    supports_tile_flash,
+    tile_index,
+)
+from ..extend_graphs import ExtendGraphConfig, ExtendGraphs
 from ..kv_pool import PAD_SLOT
 from ..metadata import DecodeInputs
 from ..plan import plan_decode, plan_extend
@@ -71,6 +81,17 @@ class LoopBackend:
 
     def bucket_of(self, seq_lens_host: list[int]) -> str:
         return "eager"
+
+    def prefill_bucket_of(self, prompt_lens: list[int]) -> str:
+        return "eager"
+
+    def prefill(self, model: DecoderBase, persistent: dict[str, torch.Tensor], batch: ExtendBatch,
+                tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+                logits_idx: torch.Tensor) -> torch.Tensor:
+        """The prefill of ``batch``: tokens, positions, out_loc: [num_tokens] int64 (out_loc: the new tokens'
+        slots); logits_idx: [bs] each request's last token -> logits [bs, vocab] float32."""
+        attn = self.extend_attn(model, persistent, persistent["req_to_token"], batch)
+        return model.extend(tokens, positions, out_loc, persistent, attn, logits_idx, batch.kv_slots)
 
     def extend_attn(self, model, caches, req_to_token, batch: ExtendBatch) -> AttnFn:
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
@@ -148,22 +169,50 @@ def make_decode_step(model: DecoderBase):
     return step
 
 
-class CompiledBackend(EagerBackend):
-    """Decode through ``DecodeGraphs``; extend uncompiled (as ``eager``).
+def make_extend_step(model: DecoderBase, flash: bool):
+    """The compiled prefill step: ``step(inputs, persistent) -> hidden [num_tokens, hidden]``, the last layer's
+    hidden states. The lm_head runs outside on each request's last row: the step's shapes then follow the token
+    bucket alone, not the request count.
 
-    Why extend stays uncompiled: the whole prefill under ``torch.compile`` ran no faster (the time is the
-    projections' GEMMs and one SDPA per layer, external kernels either way), and each new prompt shape cost a compile
-    (token counts differ per prompt). On CUDA SGLang also
-    runs extend outside graphs. The warm-up compiles (and on CUDA captures) every decode bucket.
+    inputs: the pair list of ``ExtendGraphs`` (``ExtendTileInputs``) plus ``tokens``, ``positions``, ``out_loc``
+    ([num_tokens] int64); persistent: ``req_to_token`` and the model's caches. flash: the CPU flash form (its
+    index needs no mask). Batches without a cached prefix: the MLA model decompresses exactly the new tokens'
+    slots (``out_loc``; padded tokens decompress the padding slot, which no request reads).
+    """
+
+    def step(inputs, persistent):
+        index = build_extend_tile_index(persistent["req_to_token"], ExtendTileInputs.of(inputs), causal=True,
+                                        sliding_window=None, with_mask=not flash)
+
+        def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
+            return extend_tiles(q, k_cache, v_cache, index, scale, cpu_flash=flash)
+
+        loc = inputs["out_loc"]
+        return model.hidden(inputs["tokens"], inputs["positions"], loc, persistent, attn, "extend", kv_slots=loc)
+
+    return step
+
+
+class CompiledBackend(EagerBackend):
+    """Decode through ``DecodeGraphs``, prefill through ``ExtendGraphs``, both warmed in ``setup``.
+
+    prefill_lens: the prompt lengths of every batch the run will prefill; only their buckets are warmed (a prefill
+    bucket's warm-up runs the whole prefill several times: compile, then the compiled-vs-eager measurement).
+    None: every reachable bucket. A batch with a cached prefix runs as ``eager`` does; one that no warmed bucket
+    holds runs the prefill step on its own shapes, without a graph (``ExtendGraphs`` warns once).
     """
 
     name = "compiled"
     label = "compiled (ours, torch.compile + bucketed replay)"
 
-    def __init__(self, config: GraphConfig):
+    def __init__(self, config: GraphConfig, extend_config: ExtendGraphConfig | None = None,
+                 prefill_lens: Sequence[Sequence[int]] | None = None):
         super().__init__(config.block_size)
         self.config = config
+        self.extend_config = extend_config
+        self.prefill_lens = [list(lens) for lens in prefill_lens] if prefill_lens is not None else None
         self.graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
 
     def setup(self, model, persistent, device, max_context) -> dict:
         rows = {"tokens": RowInput((), torch.int64, 0), "positions": RowInput((), torch.int64, 0),
@@ -172,10 +221,47 @@ class CompiledBackend(EagerBackend):
         t0 = time.perf_counter()
         timings = self.graphs.warmup(persistent)
         total = time.perf_counter() - t0
-        self._graphs_after_warmup = counters["stats"]["unique_graphs"]
-        return {"warmup_s": total, "buckets": len(timings),
+        info = {"warmup_s": total, "buckets": len(timings),
                 "compile_s": max((t.get("compile_s", 0.0) for t in timings.values()), default=0.0),
                 "keys": [list(k) for k in timings]}
+        info.update(self._setup_prefill(model, persistent, device, max_context, rows))
+        self._graphs_after_warmup = counters["stats"]["unique_graphs"]
+        return info
+
+    def _setup_prefill(self, model, persistent, device, max_context, rows) -> dict:
+        hq, dqk, k_cache, v_cache = model.extend_attn_spec(persistent)
+        flash = supports_tile_flash(_q_like(1, hq, dqk, k_cache), k_cache, v_cache, None)
+        c = self.config
+        config = self.extend_config or ExtendGraphConfig(
+            max_tokens=c.max_batch_size * max_context, max_context_len=max_context, max_requests=c.max_batch_size,
+            tile_q=default_tile_q(flash), enable_torch_compile=c.enable_torch_compile,
+            disable_cuda_graph=c.disable_cuda_graph, progress=c.progress, measure_compile=c.measure_compile)
+        self.extend_graphs = ExtendGraphs(make_extend_step(model, flash), config=config, device=device,
+                                          token_inputs={**rows, "out_loc": RowInput((), torch.int64, PAD_SLOT,
+                                                                                    slots=True)})
+        keys = None
+        if self.prefill_lens is not None:
+            keys = sorted({k for lens in self.prefill_lens if (k := self.extend_graphs.key_for_lengths(lens))})
+        t0 = time.perf_counter()
+        timings = self.extend_graphs.warmup(persistent, keys=keys or None)
+        return {"prefill_warmup_s": time.perf_counter() - t0,
+                "prefill_buckets": {f"{k.tokens}x{k.pairs}": t for k, t in timings.items()}}
+
+    def warmup_report(self, setup: dict) -> str:
+        """What ``setup`` warmed and how long it took, one line per phase (the bench prints it)."""
+        p = self.graphs.policy
+        lines = [f"[compiled] decode warm-up before the first request: {setup['warmup_s']:.1f} s for "
+                 f"{setup['buckets']} buckets (batch {list(p.batch_sizes)} x kv tokens {list(p.kv_capacities)}; "
+                 f"largest first compile {setup['compile_s']:.1f} s)"]
+        per = []
+        for name, t in setup["prefill_buckets"].items():
+            timed = f": compiled {t['compiled_s'] * 1e3:.0f} ms, eager {t['eager_s'] * 1e3:.0f} ms" \
+                if "eager_s" in t else ""
+            per.append(f"{name} -> {t.get('choice', 'compiled')}{timed}")
+        first = max((t["compile_s"] for t in setup["prefill_buckets"].values()), default=0.0)
+        lines.append(f"[compiled] prefill warm-up: {setup['prefill_warmup_s']:.1f} s for "
+                     f"{len(per)} buckets (tokens x pairs; first run incl. compile {first:.1f} s): {'; '.join(per)}")
+        return "\n".join(lines)
 
     def compiles_since_warmup(self) -> int:
         """Graphs dynamo compiled (in this process) since the warm-up ended; 0 is what warm-up promises."""
@@ -189,6 +275,23 @@ class CompiledBackend(EagerBackend):
             return "fallback"
         return f"{bs}x{policy.kv_bucket(tokens)}"
 
+    def prefill_bucket_of(self, prompt_lens: list[int]) -> str:
+        g = self.extend_graphs
+        key = g.key_for(sum(prompt_lens), g.pairs_for_lengths(prompt_lens))
+        return "fallback" if key is None else f"{key.tokens}x{key.pairs}"
+
+    def prefill(self, model, persistent, batch: ExtendBatch, tokens, positions, out_loc, logits_idx):
+        if bool((batch.prefix_lens != 0).any()):  # the step decompresses only out_loc (make_extend_step)
+            return super().prefill(model, persistent, batch, tokens, positions, out_loc, logits_idx)
+        hq, dqk, k_cache, v_cache = model.extend_attn_spec(persistent)
+        with prange("plan", phase="extend", bs=int(batch.rows.shape[0])):
+            meta = plan_extend(_q_like(int(tokens.shape[0]), hq, dqk, k_cache), k_cache, v_cache,
+                               persistent["req_to_token"], batch.rows, batch.seq_lens, batch.prefix_lens,
+                               batch.ext_lens)
+        hidden = self.extend_graphs.run(meta, {"tokens": tokens, "positions": positions, "out_loc": out_loc},
+                                        persistent)
+        return model.logits(hidden.index_select(0, logits_idx))
+
     def decode(self, model, persistent, batch: DecodeBatch):
         hq, dqk, k_cache, v_cache = model.decode_attn_spec(persistent)
         bs = int(batch.rows.shape[0])
@@ -199,11 +302,13 @@ class CompiledBackend(EagerBackend):
         return self.graphs.run(meta, rows, persistent)
 
 
-def make_backend(name: str, config: GraphConfig | None = None):
+def make_backend(name: str, config: GraphConfig | None = None, *, extend_config: ExtendGraphConfig | None = None,
+                 prefill_lens: Sequence[Sequence[int]] | None = None):
+    """``extend_config`` / ``prefill_lens``: the compiled backend's prefill buckets (``CompiledBackend``)."""
     if name == "loop":
         return LoopBackend()
     if name == "eager":
         return EagerBackend(config.block_size if config else 64)
     if name == "compiled":
-        return CompiledBackend(config or GraphConfig())
+        return CompiledBackend(config or GraphConfig(), extend_config, prefill_lens)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

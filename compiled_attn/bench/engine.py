@@ -28,6 +28,7 @@ class PrefillResult:
     latency_s: float
     num_tokens: int
     logits: torch.Tensor | None = None  # [bs, vocab] float32 (when keep_logits)
+    bucket: str = "eager"  # the backend's prefill bucket ("eager" for the uncompiled backends)
 
 
 @dataclass
@@ -91,9 +92,10 @@ class Engine:
         positions = torch.cat([torch.arange(n) for n in prompt_lens]).to(dev)
         lens = torch.tensor(prompt_lens, dtype=torch.int64, device=dev)
         logits_idx = torch.cumsum(lens, 0) - 1
+        bucket = self.backend.prefill_bucket_of(list(prompt_lens))
         self._sync()
         t0 = time.perf_counter()
-        with prange("prefill_step", bs=bs):
+        with prange("prefill_step", bs=bs, bucket=bucket):
             self._row_ids = [self.table.alloc_row() for _ in prompt_lens]
             slots = self.allocator.alloc(total)
             self._slots = [slots]
@@ -101,13 +103,12 @@ class Engine:
                 self.table.assign(row, 0, part)
             self._rows = torch.tensor(self._row_ids, dtype=torch.int64, device=dev)
             batch = ExtendBatch(self._rows, lens, torch.zeros_like(lens), lens, slots)
-            attn = self.backend.extend_attn(self.model, self.persistent, self.table.req_to_token, batch)
-            logits = self.model.extend(tokens, positions, slots, self.persistent, attn, logits_idx, slots)
+            logits = self.backend.prefill(self.model, self.persistent, batch, tokens, positions, slots, logits_idx)
             self._tokens = logits.argmax(-1)
         self._sync()
         latency = time.perf_counter() - t0
         self._lens = list(prompt_lens)
-        return PrefillResult(self._tokens.clone(), latency, total, logits if keep_logits else None)
+        return PrefillResult(self._tokens.clone(), latency, total, logits if keep_logits else None, bucket)
 
     @property
     def rows(self) -> torch.Tensor | None:

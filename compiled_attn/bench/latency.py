@@ -13,13 +13,14 @@ min..max, called too noisy when it straddles 1.0 or spans more than ``NOISE_FACT
 spinning processes during the rounds (``contend.py``).
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends, one repeat) takes 2-3 minutes on a shared 2-core CPU, most of it the batch-32 prefills;
-measurements taken while other processes held > 10% of the CPUs are flagged.
+all three backends, one repeat) takes 1-2 minutes on a shared 2-core CPU, most of it the batch-32 prefills (the
+compiled backend's prefill warm-up, about 20 s, runs its 8192-token bucket five times); measurements taken while
+other processes held > 10% of the CPUs are flagged.
 ``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
 decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
 
 ``--enable-torch-compile`` is on by default for ``compiled`` (``--no-enable-torch-compile`` turns it off: the
-bucketed step then runs eager on static buffers / CUDA graphs of the eager step).
+bucketed decode and prefill steps then run eager on static buffers / CUDA graphs of the eager steps).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contend", type=int_at_least(0), default=0, metavar="N",
                    help="N processes spin on the CPU while timing (after the warm-ups; default 0)")
     p.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the compiled backend's decode step (default: on)")
+                   help="compile the compiled backend's decode and prefill steps (default: on)")
     p.add_argument("--cuda-graph-bs", nargs="+", type=int, default=None,
                    help="batch-size buckets (default: SGLang's list up to the largest --batch-size)")
     p.add_argument("--torch-compile-max-bs", type=int, default=32)
@@ -153,17 +154,15 @@ def graph_config(args, max_context: int, device: torch.device) -> GraphConfig:
 
 
 def setup_backend(name: str, model, args, device) -> tuple[Engine, dict]:
-    """The backend's engine (the compiled backend warms every bucket here) and its result record."""
+    """The backend's engine (the compiled one warms its decode buckets and this run's prefill buckets) and record."""
     max_context = args.input_len + args.output_len
-    backend = make_backend(name, graph_config(args, max_context, device))
+    prefills = [[args.input_len] * bs for bs in args.batch_size]  # the compiled backend warms only their buckets
+    backend = make_backend(name, graph_config(args, max_context, device), prefill_lens=prefills)
     t0 = time.perf_counter()
     engine = Engine(model, backend, max_batch=max(args.batch_size), max_context=max_context, seed=args.seed)
     setup = {"setup_s": time.perf_counter() - t0, **engine.setup_info}
     if name == "compiled":
-        g = engine.backend.graphs
-        print(f"[{name}] warm-up before the first request: {setup['warmup_s']:.1f} s for {setup['buckets']} "
-              f"buckets (batch {list(g.policy.batch_sizes)} x kv tokens {list(g.policy.kv_capacities)}; "
-              f"largest first compile {setup['compile_s']:.1f} s)", flush=True)
+        print(engine.backend.warmup_report(setup), flush=True)
     return engine, {"label": backend.label, "setup": setup, "results": {}}
 
 
@@ -176,7 +175,7 @@ def _rotated(names: list[str], k: int) -> list[str]:
 
 def _empty_record() -> dict:
     """Raw per-repeat measurements of one backend at one batch size."""
-    return {"prefill_s": [], "decode_s": [], "buckets": [], "tokens": []}
+    return {"prefill_s": [], "prefill_buckets": [], "decode_s": [], "buckets": [], "tokens": []}
 
 
 def run_rounds(engines: dict[str, Engine], args, bs: int, profiler=None) -> dict[str, dict]:
@@ -193,6 +192,7 @@ def run_rounds(engines: dict[str, Engine], args, bs: int, profiler=None) -> dict
         for name in _rotated(names, rnd):
             res = engines[name].admit([args.input_len] * bs, seed=args.seed + bs)
             rec[name]["prefill_s"].append(res.latency_s)
+            rec[name]["prefill_buckets"].append(res.bucket)
             rec[name]["tokens"].append([res.tokens[:, None]])
             rec[name]["decode_s"].append([])
             rec[name]["buckets"].append([])
@@ -240,6 +240,7 @@ def run_backends(model, args, device, profiler=None) -> dict:
     if "compiled" in engines:
         backend = engines["compiled"].backend
         results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in backend.graphs.stats]
+        results["compiled"]["setup"]["prefill_graph_stats"] = vars(backend.extend_graphs.stats)
         results["compiled"]["setup"]["compiles_after_warmup"] = backend.compiles_since_warmup()
     return results
 
@@ -255,7 +256,7 @@ def _summarise(bs: int, args, rec: dict) -> dict:
     return {
         "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
         "prefill_latency_s": p_med,
-        "prefill_throughput_tok_s": bs * args.input_len / p_med,
+        "prefill_throughput_tok_s": bs * args.input_len / p_med, "prefill_bucket": rec["prefill_buckets"][0],
         "decode_latencies_s": by_step, "decode_buckets": rec["buckets"][0],
         "first_decode_s": by_step[0], "median_decode_s": d_med,
         "median_decode_throughput_tok_s": bs / d_med,

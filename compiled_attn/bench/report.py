@@ -15,9 +15,10 @@ BUSY_WARNING = 0.1  # share of the CPUs used by other processes above which a me
 def format_batch_report(backend: str, label: str, r: dict) -> str:
     """One batch size of one backend, in SGLang bench_one_batch's wording."""
     bs = r["batch_size"]
+    bucket = f", bucket: {r['prefill_bucket']}" if "prefill_bucket" in r else ""
     lines = [f"== {label}, batch size {bs}, input {r['input_len']}, output {r['output_len']}",
              f"Prefill. latency: {r['prefill_latency_s']:.5f} s, throughput: "
-             f"{r['prefill_throughput_tok_s']:10.2f} token/s"]
+             f"{r['prefill_throughput_tok_s']:10.2f} token/s{bucket}"]
     lat, buckets = r["decode_latencies_s"], r["decode_buckets"]
     for i, (t, bucket) in enumerate(zip(lat, buckets, strict=False)):
         if i == MAX_STEPS_SHOWN:

@@ -114,17 +114,27 @@ class DecoderBase(nn.Module):
     def attention(self, layer, h, positions, out_loc, caches, attn, mode, kv_slots):  # pragma: no cover
         raise NotImplementedError
 
-    def _forward(self, tokens, positions, out_loc, caches, attn: AttnFn, mode: str, kv_slots=None,
-                 logits_idx=None) -> torch.Tensor:
+    def hidden(self, tokens, positions, out_loc, caches, attn: AttnFn, mode: str, kv_slots=None) -> torch.Tensor:
+        """The decoder layers: tokens, positions, out_loc: [n] int64 -> hidden states [n, hidden] (before the
+        final norm). ``mode`` "decode" or "extend"; writes each layer's K/V of the n tokens at ``out_loc``."""
         x = F.embedding(tokens, self.embed)
         for layer in range(self.cfg.num_layers):
             h = rms_norm(x, self.attn_norm[layer], self.cfg.rms_eps)
             x = x + self.attention(layer, h, positions, out_loc, caches, attn, mode, kv_slots)
             if self.cfg.mlp:
                 x = x + self.mlps[layer](rms_norm(x, self.mlp_norm[layer], self.cfg.rms_eps))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden states [n, hidden] -> logits [n, vocab] float32."""
+        return linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+
+    def _forward(self, tokens, positions, out_loc, caches, attn: AttnFn, mode: str, kv_slots=None,
+                 logits_idx=None) -> torch.Tensor:
+        x = self.hidden(tokens, positions, out_loc, caches, attn, mode, kv_slots)
         if logits_idx is not None:
             x = x.index_select(0, logits_idx)
-        return linear(rms_norm(x, self.final_norm, self.cfg.rms_eps), self.lm_head).float()
+        return self.logits(x)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
                caches: dict[str, torch.Tensor], attn: AttnFn) -> torch.Tensor:

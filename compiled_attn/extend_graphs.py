@@ -1,0 +1,331 @@
+"""Bucketed extend (prefill) steps: padded to a (token bucket, pair bucket), compiled once, warmed before serving.
+
+An extend step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of
+``ExtendTileInputs`` (the tiled extend's pair list, ``extend.plan_extend_tiles``) plus the caller's per-token inputs
+(the packed queries, or token ids, positions and output slots), and whose ``persistent`` tensors are the KV caches
+and ``req_to_token``. ``ExtendGraphs.run`` pads the per-token inputs to a token bucket and the pair list to a pair
+bucket. Padded tokens belong to no pair (no tile reads them as queries), so they compute nothing and their output
+rows are sliced off; padded pairs have no query and no key. Every batch of one bucket then has the same shapes: the
+step compiles once (``compile_policy``: ``fullgraph=True``) and replays without a recompile, as a captured CUDA
+graph per bucket on CUDA, and on CPU as the compiled (or, where measured faster, the eager) step on the bucket's
+static buffers (``graphs.GraphRunner``).
+
+Why the key is the token bucket *and* the pair bucket: a batch's pairs do not follow from its token count (one new
+token over a 4k-token prefix needs 64 pairs of 64 keys; 64 new tokens of a fresh prompt need one).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
+
+from . import validate
+from .compile_policy import compile_step
+from .decode_graphs import RowInput, cache_slots
+from .extend import ExtendTileInputs, default_tile_q, plan_extend_tiles
+from .metadata import ExtendInputs, ExtendMetadata
+from .plan import normalize_window
+
+#: the [P] fields of ``ExtendTileInputs`` (the other two are the tile-size aranges)
+PAIR_FIELDS = ExtendTileInputs._fields[:7]
+
+
+class ExtendKey(NamedTuple):
+    """A bucket: the per-token inputs padded to ``tokens`` rows, the pair list to ``pairs`` pairs."""
+
+    tokens: int
+    pairs: int
+
+
+@dataclass
+class ExtendGraphConfig:
+    """Bucket ranges and SGLang-style switches of ``ExtendGraphs``.
+
+    Buckets are geometric (``graphs.kv_capacities``: multiples of 64 from ``min_*`` by ``*_growth``, ending exactly
+    at ``max_*``). max_tokens: most new tokens of one batch. max_pairs: the largest pair bucket; None: the most a
+    batch of ``max_tokens`` tokens can need (``pair_bound``). max_context_len: most keys one request reads (None:
+    taken as max_tokens); max_requests: most requests of one batch. With them, buckets no batch can reach are
+    skipped. tile_q, tile_k: the tiles the plan cuts (tile_q None: ``extend.default_tile_q`` of the device's form,
+    256 on CPU where the flash form runs, 64 elsewhere); the step must build its index for the same form.
+    """
+
+    max_tokens: int = 8192
+    max_pairs: int | None = None
+    min_tokens: int = 64
+    min_pairs: int = 64
+    token_growth: float = 2.0
+    pair_growth: float = 2.0
+    max_context_len: int | None = None
+    max_requests: int = 256
+    tile_q: int | None = None
+    tile_k: int = 64
+    enable_torch_compile: bool = True
+    disable_cuda_graph: bool = False
+    # runs per bucket before capture; None: 2 on CUDA (one on the side stream before capture), 1 on CPU
+    warmup_iters: int | None = None
+    progress: bool = True
+    # CPU: time the compiled and the eager step on each bucket at warm-up and replay the faster (GraphRunner), over
+    # measure_iters interleaved runs each. One by default, where decode takes two: a sample is a whole prefill
+    # (tenths of a second to seconds, not milliseconds), and a bucket's warm-up costs 3 + 2 * measure_iters of them
+    measure_compile: bool = True
+    measure_iters: int = 1
+
+    def __post_init__(self):
+        for name in ("max_tokens", "min_tokens", "min_pairs", "max_requests", "tile_k", "measure_iters"):
+            _check_int(name, getattr(self, name))
+        for name in ("max_pairs", "max_context_len", "tile_q", "warmup_iters"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in ("token_growth", "pair_growth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 1:
+                raise ValueError(f"ExtendGraphConfig.{name} must be a finite number > 1, got {value!r}")
+
+    def pair_bound(self, num_tokens: int, tile_q: int) -> int:
+        """The most pairs a batch of ``num_tokens`` new tokens can need: its query tiles (fewer than
+        ``num_tokens / tile_q`` plus one per request) times the key tiles one query tile can span (a range of at
+        most ``max_context_len`` keys, unaligned)."""
+        context = self.max_context_len or self.max_tokens
+        query_tiles = cdiv(num_tokens, tile_q) + min(num_tokens, self.max_requests)
+        return query_tiles * (cdiv(context, self.tile_k) + 1)
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ExtendGraphConfig.{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"ExtendGraphConfig.{name} must be >= 1, got {value}")
+
+
+def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None = None, *, causal: bool = True,
+                     sliding_window: int | None = None, device: torch.device | str = "cpu") -> ExtendMetadata:
+    """The ``ExtendMetadata`` ``plan.plan_extend`` builds for self-attention requests of these lengths, every one
+    on request row 0 (for counting pairs and for warm-up batches; no table or cache is read).
+    ext_lens, prefix_lens: [bs] new and cached tokens per request."""
+    ext = torch.tensor(list(ext_lens), dtype=torch.int64)
+    prefix = torch.zeros_like(ext) if prefix_lens is None else torch.tensor(list(prefix_lens), dtype=torch.int64)
+    if ext.shape != prefix.shape or (ext < 0).any() or (prefix < 0).any():
+        raise ValueError(f"ext_lens and prefix_lens must be equally long lists of ints >= 0, got {list(ext_lens)} "
+                         f"and {None if prefix_lens is None else list(prefix_lens)}")
+    window = normalize_window(sliding_window)
+    skip = (prefix - window).clamp_min(0) if window is not None else torch.zeros_like(prefix)  # as plan_extend
+    inputs = ExtendInputs(req_rows=torch.zeros_like(ext), kv_lo=skip, kv_len=prefix + ext - skip,
+                          q_first=prefix - skip, q_len=ext, q_offsets=torch.cumsum(ext, 0) - ext)
+    inputs = ExtendInputs(*(t.to(device) for t in inputs))
+    return ExtendMetadata(inputs, causal=causal, sliding_window=window, num_real=int(ext.shape[0]),
+                          num_tokens=int(ext.sum()))
+
+
+def pad_pairs(inputs: ExtendTileInputs, capacity: int, num_tokens: int) -> ExtendTileInputs:
+    """The pair list padded to ``capacity`` pairs the way ``plan_extend_tiles`` pads it (no query, no key; the
+    first query index past the batch)."""
+    n = inputs.pair_row.shape[0]
+    if capacity == n:
+        return inputs
+
+    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:
+        out = t.new_full((capacity,), fill)
+        out[:n] = t
+        return out
+
+    return inputs._replace(**{name: pad(getattr(inputs, name), num_tokens if name == "q_start" else 0)
+                              for name in PAIR_FIELDS})
+
+
+class ExtendGraphs:
+    """Warm-up and replay of an extend step over ``ExtendKey`` (token bucket, pair bucket) buckets.
+
+    ``warmup(persistent, keys=None)`` compiles (and on CUDA captures) every reachable bucket, or only ``keys``
+    (``key_for_lengths`` of the batches a caller will run). ``run(meta, tokens, persistent)`` plans the tiles of a
+    batch planned by ``plan.plan_extend`` (unpadded), picks the smallest warmed bucket that holds its tokens and its
+    pairs, copies the per-token rows and the pair list into that bucket's static buffers and replays; a batch that
+    no warmed bucket holds runs the step on its own shapes, without a graph (warned once).
+
+    token_inputs: the step's per-token inputs (``RowInput``: trailing shape after the token dim, dtype, the value
+        padded tokens get; ``slots=True``: KV slots, checked before a replay when ``check_slots``).
+    causal, sliding_window: the step's static mask settings; a batch planned with others is a ValueError.
+    """
+
+    def __init__(self, step_fn: Callable, *, config: ExtendGraphConfig, device: torch.device | str,
+                 token_inputs: Mapping[str, RowInput], causal: bool = True, sliding_window: int | None = None,
+                 check_slots: bool = True):
+        if not isinstance(config, ExtendGraphConfig):
+            raise TypeError(f"config must be an ExtendGraphConfig, got {type(config).__name__}")
+        if not token_inputs:
+            raise ValueError("token_inputs must name at least one per-token input (e.g. the packed q)")
+        for name, spec in token_inputs.items():
+            if not isinstance(spec, RowInput):
+                raise TypeError(f"token_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+            if name in ExtendTileInputs._fields:
+                raise ValueError(f"token_inputs[{name!r}] clashes with an ExtendTileInputs field of the same name")
+        self.config = config
+        self.device = torch.device(device)
+        self.token_inputs = dict(token_inputs)
+        self.causal, self.sliding_window = bool(causal), normalize_window(sliding_window)
+        self.check_slots = check_slots
+        self.tile_q = config.tile_q or default_tile_q(self.device.type == "cpu")
+        self.tile_k = config.tile_k
+        self.token_capacities = kv_capacities(config.max_tokens, min_kv_tokens=config.min_tokens,
+                                              growth=config.token_growth)
+        max_pairs = config.max_pairs or config.pair_bound(config.max_tokens, self.tile_q)
+        self.pair_capacities = kv_capacities(max_pairs, min_kv_tokens=config.min_pairs, growth=config.pair_growth)
+        self._step = step_fn
+        self._compiled = compile_step(step_fn) if config.enable_torch_compile else None
+        self.runner: GraphRunner | None = None  # built by warmup(), for the buckets it warms
+        self._warmed: list[ExtendKey] = []  # smallest first: run() takes the first that holds a batch
+        self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
+
+    # ---- buckets ----
+
+    def keys(self) -> list[ExtendKey]:
+        """Every bucket some batch can need, smallest first."""
+        return [ExtendKey(t, p) for t in self.token_capacities for p in self.pair_capacities
+                if self._reachable(t, p)]
+
+    def _reachable(self, tokens: int, pairs: int) -> bool:
+        """Whether a batch of this token bucket (more tokens than the bucket below) can need this pair bucket:
+        more pairs than the bucket below can hold (at most ``pair_bound``), and no fewer than its queries' own
+        key tiles (a self-attention query sees its own position, so a tile of n queries spans >= n keys)."""
+        i, j = self.token_capacities.index(tokens), self.pair_capacities.index(pairs)
+        fewer_tokens = self.token_capacities[i - 1] if i else 0
+        fewer_pairs = self.pair_capacities[j - 1] if j else 0
+        return (fewer_pairs < self.config.pair_bound(tokens, self.tile_q)
+                and pairs >= cdiv(fewer_tokens + 1, self.tile_k))
+
+    def bucket(self, num_tokens: int, num_pairs: int) -> ExtendKey | None:
+        """The policy's bucket of a batch (smallest token and pair capacities that hold it), or None beyond."""
+        i = bisect.bisect_left(self.token_capacities, num_tokens)
+        j = bisect.bisect_left(self.pair_capacities, num_pairs)
+        if i == len(self.token_capacities) or j == len(self.pair_capacities):
+            return None
+        return ExtendKey(self.token_capacities[i], self.pair_capacities[j])
+
+    def pairs_for_lengths(self, ext_lens: Sequence[int], prefix_lens: Sequence[int] | None = None) -> int:
+        """Pairs a self-attention batch of these lengths needs with this object's tiles and mask."""
+        meta = lengths_metadata(ext_lens, prefix_lens, causal=self.causal, sliding_window=self.sliding_window)
+        return plan_extend_tiles(meta, tile_q=self.tile_q, tile_k=self.tile_k).pairs_needed
+
+    def key_for_lengths(self, ext_lens: Sequence[int], prefix_lens: Sequence[int] | None = None) -> ExtendKey | None:
+        """The bucket a batch of these lengths runs in (for ``warmup(keys=...)``), or None (the fallback)."""
+        return self.bucket(int(sum(ext_lens)), self.pairs_for_lengths(ext_lens, prefix_lens))
+
+    def key_for(self, num_tokens: int, num_pairs: int) -> ExtendKey | None:
+        """The smallest warmed bucket that holds the batch (by tokens, then pairs), or None (fallback)."""
+        return next((k for k in self._warmed if k.tokens >= num_tokens and k.pairs >= num_pairs), None)
+
+    # ---- warm-up ----
+
+    def warmup(self, persistent: Mapping[str, torch.Tensor], choices: Mapping[ExtendKey, str] | None = None,
+               keys: Sequence[ExtendKey] | None = None) -> dict:
+        """Compile (CUDA: capture) every reachable bucket, or only ``keys``; returns per key ``{"compile_s", ...}``
+        (``GraphRunner.warmup``). ``choices``: an earlier start's ``choices()`` (skips the compiled-vs-eager
+        measurement of those buckets)."""
+        table = persistent.get("req_to_token")
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < 1:
+            raise ValueError("persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
+                             f"table every step indexes (keys: {sorted(persistent)})")
+        keys = self.keys() if keys is None else self._check_keys(keys)
+        self._table_width = int(table.shape[1])
+        use_graph = self.device.type == "cuda" and not self.config.disable_cuda_graph
+        fn = self._compiled or self._step
+        self.runner = GraphRunner(
+            fn, make_buffers=self._make_buffers, keys=keys, device=self.device, use_cuda_graph=use_graph,
+            fallback_fn=fn, warmup_iters=self.config.warmup_iters or (2 if use_graph else 1),
+            progress=self.config.progress, measure_iters=self.config.measure_iters,
+            eager_fn=self._step if self._compiled is not None and self.config.measure_compile else None)
+        self._warmed = []
+        timings = self.runner.warmup(persistent, choices)
+        self._warmed = sorted(ExtendKey(*k) for k in self.runner.warmed_keys)
+        return timings
+
+    def _check_keys(self, keys: Sequence[ExtendKey]) -> list[ExtendKey]:
+        out = []
+        for k in keys:
+            if not (isinstance(k, tuple) and len(k) == 2 and k[0] in self.token_capacities
+                    and k[1] in self.pair_capacities):
+                raise ValueError(f"keys: {k!r} is not a bucket (tokens in {list(self.token_capacities)}, pairs in "
+                                 f"{list(self.pair_capacities)})")
+            out.append(ExtendKey(*k))
+        if not out:
+            raise ValueError("keys must name at least one bucket (None: every reachable one)")
+        return sorted(set(out))
+
+    def _make_buffers(self, key: ExtendKey) -> StaticBuffers:
+        tokens, pairs = key
+        specs = {name: BufferSpec((pairs,), torch.bool if name == "full" else torch.int64, batch_dim=None)
+                 for name in PAIR_FIELDS}
+        specs["q_ids"] = BufferSpec((self.tile_q,), torch.int64, batch_dim=None)
+        specs["k_ids"] = BufferSpec((self.tile_k,), torch.int64, batch_dim=None)
+        for name, spec in self.token_inputs.items():
+            specs[name] = BufferSpec((tokens, *spec.shape), spec.dtype, fill=spec.fill)
+        buffers = StaticBuffers(specs, self.device)
+        self._fill_warmup_batch(buffers, ExtendKey(*key))
+        return buffers
+
+    def _fill_warmup_batch(self, buffers: StaticBuffers, key: ExtendKey) -> None:
+        """Warm a bucket on a batch that does close to its full work: requests of one length, every one reading
+        request row 0 from position 0 (the per-token inputs keep their padding values; outputs are discarded). On
+        an all-padding batch the CPU flash op skips every pair: the compiled-vs-eager measurement would time
+        nothing, and the first real batch would pay the kernel's first-call costs."""
+        width = min(self._table_width, self.config.max_context_len or self._table_width)
+        length = max(1, min(width, key.tokens, self.tile_q))
+        per_request = self.pairs_for_lengths([length])
+        while per_request > key.pairs and length > 1:
+            length //= 2
+            per_request = self.pairs_for_lengths([length])
+        count = max(1, min(key.tokens // length, key.pairs // per_request))
+        meta = lengths_metadata([length] * count, causal=self.causal, sliding_window=self.sliding_window,
+                                device=self.device)
+        tiles = plan_extend_tiles(meta, tile_q=self.tile_q, tile_k=self.tile_k, pair_capacity=key.pairs)
+        for name in ExtendTileInputs._fields:
+            buffers.tensors[name].copy_(getattr(tiles.inputs, name))
+
+    # ---- run ----
+
+    def run(self, meta: ExtendMetadata, tokens: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]):
+        """One extend step over a batch planned by ``plan_extend`` (no ``batch_capacity`` needed) with its
+        per-token inputs ([num_tokens, ...] each); outputs cut to ``meta.num_tokens`` rows (on CUDA graphs: views
+        valid until the next run)."""
+        if self.runner is None:
+            raise RuntimeError("ExtendGraphs.run() before warmup(persistent)")
+        if not isinstance(meta, ExtendMetadata):
+            raise TypeError(f"meta must be an ExtendMetadata (plan.plan_extend), got {type(meta).__name__}")
+        if meta.causal != self.causal or meta.sliding_window != self.sliding_window:
+            raise ValueError(f"meta was planned with causal={meta.causal}, sliding_window={meta.sliding_window}; "
+                             f"these graphs run causal={self.causal}, sliding_window={self.sliding_window}")
+        self._check_tokens(meta.num_tokens, tokens, persistent)
+        tiles = plan_extend_tiles(meta, tile_q=self.tile_q, tile_k=self.tile_k)
+        key = self.key_for(meta.num_tokens, tiles.pairs_needed)
+        pairs = tiles.inputs if key is None else pad_pairs(tiles.inputs, key.pairs, meta.num_tokens)
+        return self.runner.run_sliced(key, {**pairs._asdict(), **tokens}, persistent)
+
+    def _check_tokens(self, num_tokens: int, tokens: Mapping[str, torch.Tensor],
+                      persistent: Mapping[str, torch.Tensor]) -> None:
+        missing, extra = sorted(set(self.token_inputs) - set(tokens)), sorted(set(tokens) - set(self.token_inputs))
+        if missing or extra:
+            raise ValueError(f"tokens: missing inputs {missing}, unexpected inputs {extra}; expected "
+                             f"{sorted(self.token_inputs)}")
+        for name, spec in self.token_inputs.items():
+            t = tokens[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tokens[{name!r}] must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != (num_tokens, *spec.shape):
+                raise ValueError(f"tokens[{name!r}] has shape {tuple(t.shape)}, expected "
+                                 f"{(num_tokens, *spec.shape)} (num_tokens of the planned batch first)")
+            if spec.slots and self.check_slots:
+                validate.check_slot_values(f"tokens[{name!r}]", t, cache_slots(persistent))
+
+    @property
+    def stats(self):
+        return self.runner.stats if self.runner is not None else None
+
+    def choices(self) -> dict[ExtendKey, str]:
+        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
+        return {ExtendKey(*k): c for k, c in self.runner.choices().items()} if self.runner is not None else {}
