@@ -195,11 +195,23 @@ def sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if n == 0:
         return q.new_zeros(q.shape), q.new_full(q.shape[:3], torch.finfo(torch.float32).min, dtype=torch.float32)
     lead = int(valid.int().argmax())  # the first valid position
+    if unit == 1:
+        return slots_attention(q, k_cache, v_cache, units[lead:lead + n], scale, k_scale, v_scale)
     first, last = lead // unit, -(-(lead + n) // unit)
     k, v = _gather_kv(k_cache, v_cache, units[first:last], unit, 1, (last - first) * unit, q.dtype, k_scale, v_scale)
-    start = lead - first * unit
-    if start or k.shape[2] != n:  # a paged run: only [lead, lead + n) of the gathered pages
-        k, v = k[:, :, start:start + n], v[:, :, start:start + n]
+    start = lead - first * unit  # only [lead, lead + n) of the gathered pages
+    return _flash_one(q, k[:, :, start:start + n], v[:, :, start:start + n], scale)
+
+
+def slots_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's queries over the keys at ``slots`` ([n] int64, n >= 1, in position order): one gather and
+    one kernel call. q: [1, Hkv, group, D] in the kernel's dtype -> o [1, Hkv, group, D], lse [1, Hkv, group]."""
+    k, v = _gather_kv(k_cache, v_cache, slots, 1, 1, slots.shape[0], q.dtype, k_scale, v_scale)
+    return _flash_one(q, k, v, scale)
+
+
+def _flash_one(q, k, v, scale):
     # the kernel does not check q's strides: a query whose head dim is not contiguous returned garbage
     o, lse = _flash_cpu(q.contiguous(), k, v, 0.0, False, scale=scale)
     return o.contiguous(), lse

@@ -25,7 +25,7 @@ from graphs import cdiv
 
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
-from .decode_flash import decode_flash, decode_flash_eager
+from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -42,6 +42,8 @@ class DecodeIndex:
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
     unit:      positions per gathered run: ``gcd(page_size, block_size)`` (1 for a token-granular cache)
     units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
+    single:    [n] int64 or None: a batch of one's key slots in position order, set by the host-built index
+               (``_single_request_index``); the CPU eager decode reads them in one gather
     """
 
     block_req: torch.Tensor
@@ -49,11 +51,16 @@ class DecodeIndex:
     valid: torch.Tensor
     unit: int = 1
     units: torch.Tensor | None = None
+    single: torch.Tensor | None = None
 
     @property
     def runs(self) -> torch.Tensor:
         """What a gather of ``unit``-slot runs indexes: ``units``, or ``slots`` when ``unit`` is 1."""
         return self.slots if self.units is None else self.units
+
+    @property
+    def block_size(self) -> int:
+        return self.slots.shape[1]
 
 
 def gather_unit(page_size: int, block_size: int) -> int:
@@ -77,19 +84,22 @@ def decode_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: i
     return cdiv((kv_hi - start).clamp_min(0), block_size) * (kv_hi > kv_lo)
 
 
-def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_size: int = 1) -> DecodeIndex:
+def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_size: int = 1, *,
+                       host_form: bool = True) -> DecodeIndex:
     """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
 
     req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs``, or a
     captured step's static buffers): the length of ``block_ids`` is the block capacity, of ``block_offsets`` the
     block size. page_size: the cache's page size (as planned: ``plan_decode(page_size=...)``); with it > 1,
     ``units`` names runs of ``gcd(page_size, block_size)`` consecutive slots and blocks start at run boundaries.
+    host_form: a batch of one on CPU, called eagerly, is indexed on the host (``_single_request_index``); False
+    keeps the pure tensor form (metadata a graph records, or that compiled code receives as an input).
     """
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
     unit = gather_unit(page_size, block_size)
-    if bs == 1 and req_to_token.device.type == "cpu" and not torch.compiler.is_compiling():
+    if host_form and bs == 1 and req_to_token.device.type == "cpu" and not torch.compiler.is_compiling():
         return _single_request_index(req_to_token, inputs, unit)
     return _batched_index(req_to_token, inputs, unit)
 
@@ -126,33 +136,60 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) 
 
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
-    """``build_decode_index`` of a batch of one on CPU, eagerly: the same index from the request's range read on the
-    host (a CPU tensor: no sync) as one slice of its table row, in a third of the ops. Why: at batch 1 and a short
-    context the general form's ~25 small ops cost as much as the attention itself (the per-request loop it replaces
-    does one slice). Traced code (``torch.compile``) and CUDA keep the general form."""
+    """``build_decode_index`` of a batch of one on CPU, eagerly: the request's range read on the host (a CPU tensor:
+    no sync) and its key slots as one slice of its table row (``single``); the block table, equal to the general
+    form's, is built from that slice only if something reads it. Why: at batch 1 and a short context the general
+    form's ~25 small ops cost as much as the attention itself, and the CPU decode of a short request needs only
+    ``single``. Traced code (``torch.compile``) and CUDA keep the general form."""
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     block_size, capacity = block_offsets.shape[0], block_ids.shape[0]
-    row, lo, hi = int(req_rows[0]), int(kv_lo[0]), int(kv_hi[0])
+    row, lo, hi = req_rows.item(), kv_lo.item(), kv_hi.item()
     start = lo - lo % unit
     nblk = min(cdiv(hi - start, block_size), capacity) if hi > lo else 0
-    n = nblk * block_size
-    raw = req_to_token[row, start:start + n].to(torch.int64)
-    if raw.shape[0] < n:  # the last block runs past the table's width: those positions are masked anyway
-        raw = torch.cat([raw, raw.new_zeros(n - raw.shape[0])])
-    raw = raw.view(nblk, block_size)
-    offsets = torch.arange(n).view(nblk, block_size)
-    valid = offsets < hi - start
-    if lo > start:
-        valid &= offsets >= lo - start
-    # masked positions read their block's first slot, as in the general form
-    slots = torch.where(valid, raw, raw[:, :1])
-    block_req = torch.zeros(capacity, dtype=torch.int64)
-    if nblk < capacity:  # unused blocks: row 1 (= bs), slot 0, nothing valid
-        block_req[nblk:] = 1
-        slots = torch.cat([slots, slots.new_zeros(capacity - nblk, block_size)])
-        valid = torch.cat([valid, valid.new_zeros(capacity - nblk, block_size)])
-    units = slots[:, ::unit] // unit if unit > 1 else None
-    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units)
+    raw = req_to_token[row, start:start + nblk * block_size].to(torch.int64)
+    # the request's keys in order (a view; hi <= the table's width): only when no block was cut by the capacity
+    single = raw[lo - start:hi - start] if nblk * block_size >= hi - start else None
+    return _SingleRequestIndex(raw, lo - start, hi - start, nblk, capacity, block_size, unit, single)
+
+
+class _SingleRequestIndex(DecodeIndex):
+    """A host-built ``DecodeIndex`` of one request (``_single_request_index``): ``single`` at once, ``block_req``,
+    ``slots``, ``valid`` and ``units`` on first read (then kept)."""
+
+    def __init__(self, raw: torch.Tensor, first: int, end: int, nblk: int, capacity: int, block_size: int,
+                 unit: int, single: torch.Tensor | None):
+        # raw: the table row's slots from the first block's start; [first, end): the request's keys in it
+        self._raw, self._span, self._shape = raw, (first, end), (nblk, capacity, block_size)
+        self.unit, self.single, self._table = unit, single, None
+
+    @property
+    def block_size(self) -> int:
+        return self._shape[2]
+
+    def _built(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self._table is None:
+            (first, end), (nblk, capacity, block_size), unit = self._span, self._shape, self.unit
+            n = nblk * block_size
+            raw = self._raw
+            if raw.shape[0] < n:  # the last block runs past the table's width: those positions are masked anyway
+                raw = torch.cat([raw, raw.new_zeros(n - raw.shape[0])])
+            raw = raw.view(nblk, block_size)
+            offsets = torch.arange(n).view(nblk, block_size)
+            valid = (offsets < end) & (offsets >= first)
+            # masked positions read their block's first slot, as in the general form
+            slots = torch.where(valid, raw, raw[:, :1])
+            block_req = torch.zeros(capacity, dtype=torch.int64)
+            if nblk < capacity:  # unused blocks: row 1 (= bs), slot 0, nothing valid
+                block_req[nblk:] = 1
+                slots = torch.cat([slots, slots.new_zeros(capacity - nblk, block_size)])
+                valid = torch.cat([valid, valid.new_zeros(capacity - nblk, block_size)])
+            self._table = (block_req, slots, valid, slots[:, ::unit] // unit if unit > 1 else None)
+        return self._table
+
+    block_req = property(lambda self: self._built()[0])
+    slots = property(lambda self: self._built()[1])
+    valid = property(lambda self: self._built()[2])
+    units = property(lambda self: self._built()[3])
 
 
 def decode_blocks(
@@ -185,7 +222,6 @@ def decode_blocks(
     """
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    nblk, block_size = index.slots.shape
     if not torch.compiler.is_compiling():  # a Python number: checked once at trace time, free at replay
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
@@ -198,6 +234,7 @@ def decode_blocks(
             raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
                              f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
         return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale, sinks_by_kv_head(sinks, hkv, hq))
+    nblk, block_size = index.slots.shape
     flat = index.slots.reshape(-1)
     qb = _block_queries(q, index, hkv) * scale
     valid = index.valid[:, None, :]
@@ -248,11 +285,18 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   sinks: torch.Tensor | None) -> torch.Tensor:
     """``decode_blocks`` through the one CPU op ``decode_flash`` (its docstring: which path runs when)."""
     bs, hq, d = q.shape
-    block_size = index.slots.shape[1]
+    block_size = index.block_size
     hkv = k_cache.shape[1]
     dtype = compute_dtype(q.dtype, k_cache.dtype)
-    # eager: the op's body directly (the custom-op dispatch cost as much as a small request's kernel call)
-    run = decode_flash if torch.compiler.is_compiling() else decode_flash_eager
+    compiling = torch.compiler.is_compiling()
+    if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
+        o = single_request_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.single, scale,
+                                 block_size, 1.0 if k_scale is None else k_scale,
+                                 1.0 if v_scale is None else v_scale, sinks)
+        if o is not None:
+            return o.reshape(bs, hq, d).to(q.dtype)
+    # eager: the op's body directly (the op's dispatch cost is a short request's kernel call)
+    run = decode_flash if compiling else decode_flash_eager
     o = run(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
             index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit,
             1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)

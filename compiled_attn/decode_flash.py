@@ -23,7 +23,9 @@ from .block_flash import (
     _flash_cpu,
     _gather_kv,
     block_attention,
+    chunk_blocks_for,
     sequence_attention,
+    slots_attention,
 )
 from .merge import apply_sinks, merge_partials
 from .opaque import opaque_op
@@ -70,6 +72,21 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     o, lse = block_attention(qb, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, *scales)
     # a flash block's output is already normalised: merge with its log-sum-exp as max and 1 as sum
     return merge_partials(lse, torch.ones_like(lse), o, block_req, bs, sinks)
+
+
+def single_request_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         scale: float, block_size: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A batch of one whose key slots the host already holds (``DecodeIndex.single``): one gather, one kernel
+    call, none of the block table's reads. None when the request is long enough for ``_single_request``'s
+    segments (the caller then runs the block path). q: [1, Hkv, group, D] -> [1, Hkv, group, D] float32."""
+    n, hkv, d = slots.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if n > SINGLE_REQUEST_CHUNKS * chunk_blocks_for(block_size, hkv, d) * block_size:
+        return None
+    if n == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32)
+    o, lse = slots_attention(q, k_cache, v_cache, slots, scale, k_scale, v_scale)
+    return apply_sinks(o, lse, sinks)
 
 
 @opaque_op

@@ -97,6 +97,8 @@ def check_positive_number(name: str, value) -> float:
     """A finite real number > 0 (a bool is refused: ``True`` as a scale is a bug); returned as a float.
 
     NaN or inf here gives an all-NaN output with no error further down, so it is refused up front."""
+    if type(value) is float and math.isfinite(value) and value > 0:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a finite number > 0, got {type(value).__name__} {value!r}")
     if not (math.isfinite(value) and value > 0):

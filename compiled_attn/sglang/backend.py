@@ -261,7 +261,8 @@ class CompiledAttnBackend(AttentionBackend):
         g.kv_hi[:bs].copy_(hi)
         inputs = DecodeInputs(g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs], g.block_ids[: self.graph_block_capacity(bs)],
                               g.block_offsets)
-        return build_decode_index(self.req_to_token, inputs, self.page_size)
+        # pure tensor code: recorded into a CUDA graph, or handed to CPUGraphRunner's compiled forward
+        return build_decode_index(self.req_to_token, inputs, self.page_size, host_form=False)
 
     # ------------------------------------------------------------------ forward
 
