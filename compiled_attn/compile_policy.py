@@ -5,6 +5,8 @@
   then captured or replayed at its static shape. A static compile costs seconds *per bucket* and its kernels ran
   no faster (docs/performance.md), so per-bucket static compiles would turn a 30-bucket warm-up into minutes.
   ``dynamic=False`` stays available for experiments.
+- Floats are specialized (``specialize_float``): they are constants of a model, and tracing them as symbols cost a
+  restarted trace.
 - The recompile limit is raised deliberately: the default of 8 per function would make the ninth bucket raise
   ``FailOnRecompileLimitHit`` under ``fullgraph=True``.
 """
@@ -26,6 +28,10 @@ def configure_dynamo(recompile_limit: int = DEFAULT_RECOMPILE_LIMIT) -> None:
     fx_config = getattr(torch.fx.experimental, "_config", None)
     if fx_config is not None and hasattr(fx_config, "use_duck_shape"):
         fx_config.use_duck_shape = False
+    # the floats a step reads are constants (softmax scale, KV scales): traced as symbols, one handed to an opaque
+    # op cannot be made a tensor, and dynamo restarts the whole trace to specialize it (a second tracing pass:
+    # ~4 s of a 4-layer decode step's 9 s compile, on every start, warm restarts included)
+    cfg.specialize_float = True
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7; keep both for torch >= 2.6
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), recompile_limit))
