@@ -308,6 +308,15 @@ def test_serve_leaves_other_backends_alone():
     serve.check_args(attention_backend="triton", kv_cache_dtype="fp8_e4m3")  # not ours: SGLang decides
 
 
+def test_serve_refuses_speculative_decoding_only_where_sglang_cannot_draft():
+    """The backend verifies drafts (TARGET_VERIFY, graphs included); SGLang's draft workers need CUDA kernels."""
+    from compiled_attn.sglang import serve
+
+    serve.check_args(speculative_algorithm="EAGLE", cpu=False)
+    with pytest.raises(serve.UnsupportedArgument, match="--speculative-algorithm NGRAM.*CUDA kernels"):
+        serve.check_args(speculative_algorithm="NGRAM", cpu=True)
+
+
 if __name__ == "__main__":  # worker: python tests/test_live_engine.py '<json spec>'
     spec = json.loads(sys.argv[1])
     result = _worker(spec)

@@ -29,10 +29,13 @@ class UnsupportedArgument(ValueError):
 
 
 def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str | None = None,
-               speculative_algorithm: str | None = None, page_size: int | None = None) -> None:
-    """Refuse what :class:`compiled_attn.sglang.backend.CompiledAttnBackend` would refuse at the first request.
+               speculative_algorithm: str | None = None, page_size: int | None = None,
+               cpu: bool | None = None) -> None:
+    """Refuse what :class:`compiled_attn.sglang.backend.CompiledAttnBackend` would refuse at the first request, and
+    what SGLang cannot run on this machine with it.
 
-    Only applies when the attention backend is ours (``None`` = our default). Raises :class:`UnsupportedArgument`.
+    Only applies when the attention backend is ours (``None`` = our default). ``cpu``: a CPU-only machine (None:
+    ``cpu_fixups.cpu_only()``). Raises :class:`UnsupportedArgument`.
     """
     if attention_backend not in (None, BACKEND):
         return
@@ -40,9 +43,12 @@ def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str |
         raise UnsupportedArgument(
             f"--kv-cache-dtype {kv_cache_dtype}: not supported by --attention-backend {BACKEND} (it reads "
             f"float32/bfloat16/float16 and float8 caches); use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
-    if speculative_algorithm:
-        raise UnsupportedArgument(f"--speculative-algorithm {speculative_algorithm}: speculative decoding is not "
-                                  f"supported by --attention-backend {BACKEND}")
+    if speculative_algorithm and (cpu_fixups.cpu_only() if cpu is None else cpu):
+        # the backend runs TARGET_VERIFY (eagerly and in CUDA graphs); SGLang's draft side is what needs a GPU
+        raise UnsupportedArgument(
+            f"--speculative-algorithm {speculative_algorithm}: SGLang 0.5.23's speculative workers need CUDA "
+            f"kernels (sgl_kernel.speculative, triton) that a CPU-only machine lacks; --attention-backend {BACKEND} "
+            "verifies drafts on a GPU machine (python -m sglang.launch_server ...)")
     if page_size is not None and int(page_size) < 1:
         raise UnsupportedArgument(f"--page-size {page_size}: --attention-backend {BACKEND} needs a positive "
                                   "number of tokens per page")
