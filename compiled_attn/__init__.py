@@ -4,7 +4,7 @@ The library is this package's top level (plan, run, KV pools, compile policy, bu
 graphs); its SGLang integration is ``compiled_attn.sglang`` and its benchmark tooling ``compiled_attn.bench``.
 
 Names are imported on first use: SGLang imports ``compiled_attn.sglang.plugin`` in each of its processes, and
-that must not pull in the kernels (and register their custom ops) until the backend is created.
+that must not pull in the kernels (and register their ops) until the backend is created.
 """
 from __future__ import annotations
 

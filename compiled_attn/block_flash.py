@@ -8,7 +8,7 @@ gather buffer grows past the allocator's reuse threshold (glibc mmaps blocks ove
 afresh every step). docs/performance.md has the measured effect.
 
 These are eager functions: they read ``valid`` on the host (a CPU tensor, not a device sync) to skip the blocks a
-bucket pads with. ``decode_flash`` (one custom op per layer, the one call ``torch.compile`` sees) runs them.
+bucket pads with. ``decode_flash`` (one opaque op per layer, the one call ``torch.compile`` sees) runs them.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Two forms compute the blocks. On CPU (one head size, no soft-cap) the opaque custom op ``decode_flash`` runs them
+Two forms compute the blocks. On CPU (one head size, no soft-cap) the opaque op ``decode_flash`` runs them
 through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded into one
 call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host
 to skip a bucket's padding. Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512;
@@ -312,7 +312,7 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     block_req: [nblk] request of each block, ``num_rows`` for unused blocks; sinks: [Hkv, group] float32 logits
     that join every row's denominator (``decode_blocks``' ``sinks``) -> [num_rows, Hkv, group, Dv] float32.
 
-    A custom op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
+    An opaque op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
     ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
     compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
     """

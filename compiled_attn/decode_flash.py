@@ -44,7 +44,7 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """One query per request over its planned KV blocks (``decode.DecodeIndex``), merged. Called directly when
-    not compiling: the custom-op dispatch cost as much as a small request's kernel call.
+    not compiling (no dispatch through the op).
 
     q: [bs, Hkv, group, D] in the kernel's dtype (``kv_dtype.compute_dtype``); k_cache, v_cache: [num_slots, Hkv, D];
     runs: [nblk, block_size // unit] (``DecodeIndex.runs``); valid: [nblk, block_size] bool; block_req: [nblk]
@@ -74,14 +74,19 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return merge_partials(lse, torch.ones_like(lse), o, block_req, bs, sinks)
 
 
+def one_call_fits(n: int, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether one request's ``n`` keys are read in one kernel call (``SINGLE_REQUEST_CHUNKS`` L2 chunks at most)."""
+    return n <= SINGLE_REQUEST_CHUNKS * chunk_blocks_for(block_size, num_kv_heads, head_dim) * block_size
+
+
 def single_request_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                          scale: float, block_size: int, k_scale: float = 1.0, v_scale: float = 1.0,
                          sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """A batch of one whose key slots the host already holds (``DecodeIndex.single``): one gather, one kernel
     call, none of the block table's reads. None when the request is long enough for ``_single_request``'s
     segments (the caller then runs the block path). q: [1, Hkv, group, D] -> [1, Hkv, group, D] float32."""
-    n, hkv, d = slots.shape[0], k_cache.shape[1], k_cache.shape[2]
-    if n > SINGLE_REQUEST_CHUNKS * chunk_blocks_for(block_size, hkv, d) * block_size:
+    n = slots.shape[0]
+    if not one_call_fits(n, block_size, k_cache.shape[1], k_cache.shape[2]):
         return None
     if n == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)

@@ -12,7 +12,7 @@ softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a
 ``[Hkv, group * TQ, D]`` against one K tile. Two forms:
 
 - CPU, no soft-cap, ``Dv <= Dqk`` (a narrower V is zero-padded): ``extend_flash.ragged_tile_flash``, an
-  opaque custom op running ATen's CPU flash kernel over each query tile's consecutive key tiles;
+  opaque op (``opaque.py``) running ATen's CPU flash kernel over each query tile's consecutive key tiles;
 - elsewhere (CUDA, soft-cap; ``cpu_flash=False`` anywhere): batched matmuls over static chunks of pairs, float32
   softmax, partials merged by ``decode.merge_blocks`` with rows = packed query tokens. Invalid key rows are zeroed
   after the gather (``torch.where``), so NaN/Inf in the padding slot never reaches an output (0 * NaN is NaN).

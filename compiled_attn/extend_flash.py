@@ -15,7 +15,7 @@ visible; fully visible spans run without a mask. A causal tile that sees exactly
 first tile when it has no prefix) is the kernel's own top-left causal case and runs with ``is_causal`` (heads
 unfolded: the causal rows must be positions), which skips the masked half (3-9% of a no-prefix batch, 1 thread).
 
-The loop runs inside a custom op: ``torch.compile`` sees one opaque call, and the op reads its small per-pair
+The loop runs inside an opaque op (``opaque.py``): ``torch.compile`` sees one call, and the op reads its small per-pair
 CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a bucket's padding.
 Only the kernel calls run multi-threaded: the op's gathers, copies and merges are a few MiB each next to kernel
 calls of tens of ms, and as parallel regions on a shared 2-core machine they stalled on a descheduled thread
@@ -29,6 +29,7 @@ import torch
 
 from .kv_dtype import compute_dtype, dequantize
 from .merge import apply_sinks
+from .opaque import opaque_op
 
 _aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -95,7 +96,7 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return o, m + torch.log(den)
 
 
-@torch.library.custom_op("compiled_attn::ragged_tile_flash", mutates_args=())
+@opaque_op
 def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                       q_start: torch.Tensor, q_count: torch.Tensor, k_count: torch.Tensor, full: torch.Tensor,
                       q_rel: torch.Tensor, scale: float, span_keys: int, causal: bool, window: int,
@@ -252,7 +253,7 @@ def _accumulate(acc, o, lse):
     return (o, lse) if acc is None else _merge(acc[0], acc[1], o, lse)
 
 
-@ragged_tile_flash.register_fake
+@torch.library.register_fake(ragged_tile_flash)
 def _ragged_tile_flash_fake(q, k_cache, v_cache, slots, q_start, q_count, k_count, full, q_rel, scale, span_keys,
                             causal, window, k_scale=1.0, v_scale=1.0, sinks=None):
     hkv = k_cache.shape[1]

@@ -28,7 +28,7 @@ import torch
 
 from . import validate
 from .api import _scale, v_is_prefix_of_k
-from .block_flash import _flash_cpu, _gather_kv, supports_block_flash
+from .block_flash import _flash_cpu, _gather_kv, slots_attention, supports_block_flash
 from .decode import (
     DecodeIndex,
     aligned_kv_lo,
@@ -38,6 +38,7 @@ from .decode import (
     merge_blocks,
     sinks_by_kv_head,
 )
+from .decode_flash import one_call_fits
 from .kv_dtype import compute_dtype, dequantize
 from .metadata import DecodeInputs
 from .opaque import opaque_op
@@ -176,13 +177,15 @@ def plan_verify(
     return VerifyMetadata(inputs, num_real=bs, draft_len=k, blocks_needed=needed, page_size=page_size)
 
 
-def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1) -> VerifyIndex:
-    """The prefix blocks (``build_decode_index`` over ``[0, prefix_len)``) and the draft keys' slots; pure tensor
-    code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs`` or static buffers."""
+def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1, *,
+                       host_form: bool = True) -> VerifyIndex:
+    """The prefix blocks (``build_decode_index`` over ``[0, prefix_len)``, ``host_form`` as there) and the draft
+    keys' slots; pure tensor code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs``
+    or static buffers."""
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
     blocks = build_decode_index(req_to_token, DecodeInputs(rows, torch.zeros_like(prefix), prefix, block_ids,
-                                                           block_offsets), page_size)
+                                                           block_offsets), page_size, host_form=host_form)
     pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
     draft_slots = req_to_token[rows[:, None], pos].to(torch.int64)
     return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask)
@@ -239,9 +242,16 @@ def _prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_sc
     """The prefixes through ``verify_flash`` -> (o [bs, Hkv, k * group, D] normalised, lse [bs, Hkv, k * group])."""
     hkv, d = qg.shape[1], qg.shape[3]
     scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+    qg = qg.to(compute_dtype(qg.dtype, k_cache.dtype))
+    single = index.single
+    if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
+            and not torch.compiler.is_compiling():
+        # a batch of one indexed on the host: its prefix's slots in one gather and one kernel call, as decode does
+        o, lse = slots_attention(qg, k_cache, v_cache, single, scale, *scales)
+        return o.float(), lse
     chunk = max(VERIFY_CHUNK_BYTES // (hkv * d * 4) // index.unit, 1) * index.unit
-    return verify_flash(qg.to(compute_dtype(qg.dtype, k_cache.dtype)), k_cache, v_cache, index.runs, index.valid,
-                        index.block_req, scale, chunk, index.unit, *scales)
+    return verify_flash(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk, index.unit,
+                        *scales)
 
 
 def _merge_two(o, lse, do, dm, dl, sinks=None):

@@ -77,6 +77,24 @@ def test_matches_reference(prefix, tree, cpu_flash):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("prefix", [0, 300])
+def test_single_request_prefix_reads_its_slots(prefix):
+    """A batch of one indexed on the host: the prefix is read through its slots (one gather, one kernel call), the
+    block table never built; equal to the traced index's result and the float64 reference."""
+    k = 4
+    b, pre = _case([prefix], k, hq=8, hkv=2, seed=5)
+    masks = random_trees(1, k, torch.Generator().manual_seed(2))
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks.reshape(-1))
+    host = build_verify_index(b.req_to_token, meta.inputs)
+    traced = build_verify_index(b.req_to_token, meta.inputs, host_form=False)
+    out = verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5)
+    if prefix:
+        assert host.prefix._table is None
+    torch.testing.assert_close(out, verify_blocks(b.q, b.k_cache, b.v_cache, traced, 16 ** -0.5))
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks, 16 ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
 def test_sinks(cpu_flash):
     """Attention sinks join every draft query's denominator (prefix and draft parts merged, then the sink)."""

@@ -126,5 +126,5 @@ def verify_in_graph(backend, forward_batch) -> VerifyIndex:
     inputs = VerifyInputs(state.req_rows[:bs], state.prefix_lens[:bs],
                           state.block_ids[: _capacity(backend, bs, state.block_size)], state.block_offsets,
                           state.draft_mask[:bs])
-    index = build_verify_index(backend.req_to_token, inputs, backend.page_size)
+    index = build_verify_index(backend.req_to_token, inputs, backend.page_size, host_form=False)  # recorded
     return with_written_slots(index, getattr(forward_batch, "out_cache_loc", None), bs, k)
