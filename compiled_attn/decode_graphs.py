@@ -154,6 +154,9 @@ class DecodeGraphs:
         fallback = compiled or step_fn
         self.runners: list[GraphRunner] = []
         self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
+        self._step_fn = step_fn
+        # the input dicts of compiled one-row buckets (held with a padding row: ``_make_buffers``), by id
+        self._padded_one_row: set[int] = set()
         for group, fn in ((small, compiled), (large, None)):
             if group:
                 self.runners.append(GraphRunner(
@@ -162,8 +165,16 @@ class DecodeGraphs:
                     warmup_iters=config.warmup_iters or (2 if use_graph else 1),
                     progress=config.progress,
                     # CPU: each bucket replays whichever of the compiled and the eager step measured faster
-                    eager_fn=step_fn if fn is not None and config.measure_compile else None))
+                    eager_fn=self._eager_step if fn is not None and config.measure_compile else None))
         self._runner_of = {k: r for r in self.runners for k in r.keys}
+
+    def _eager_step(self, inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]):
+        """The uncompiled step as a bucket's eager form: a one-row bucket's padding row, there for the compiled
+        step only, is dropped, so the eager step runs its batch-of-one path (``build_decode_index``'s host form)."""
+        if id(inputs) in self._padded_one_row:
+            batched = (*ROW_FIELDS, *self.row_inputs)
+            inputs = {name: t[:1] if name in batched else t for name, t in inputs.items()}
+        return self._step_fn(inputs, persistent)
 
     def _compiles(self, bs: int) -> bool:
         """Whether buckets of ``bs`` rows run the compiled step (``enable_torch_compile``, ``torch_compile_max_bs``)."""
@@ -191,6 +202,8 @@ class DecodeGraphs:
         for name, spec in self.row_inputs.items():
             specs[name] = BufferSpec((rows, *spec.shape), spec.dtype, fill=spec.fill)
         buffers = StaticBuffers(specs, self.device)
+        if rows != bs:
+            self._padded_one_row.add(id(buffers.tensors))
         if self.device.type == "cpu":
             self._fill_warmup_batch(buffers, key)
         return buffers

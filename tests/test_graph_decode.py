@@ -197,3 +197,26 @@ def test_cuda_first_step_after_warmup_is_not_a_spike():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     assert times[0] <= 1.2 * sorted(times)[len(times) // 2] + 2e-4  # 0.2 ms slack for timer granularity
+
+
+def test_one_row_bucket_eager_form_drops_the_padding_row():
+    """A compiled one-row bucket holds a padding row (no size-1 graph); its eager form, timed against the compiled
+    one at warm-up, runs on the real row only (the batch-of-one path), with the same output."""
+    torch._dynamo.reset()
+    shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=256)
+    seen = []
+
+    def recording(inputs, pers):
+        seen.append(inputs["x"].shape[0])
+        return step(inputs, pers)
+
+    graphs._step_fn = recording  # the eager form's step (the compiled one was made from `step`)
+    graphs.warmup(persistent)
+    assert 1 in seen and 2 not in seen  # the one-row bucket measured its eager form on one row
+    key = (1, min(graphs.policy.kv_capacities))
+    inputs = graphs.runners[0].buffers(key).tensors
+    assert inputs["x"].shape[0] == 2
+    eager = graphs._eager_step(inputs, {k: v.clone() for k, v in persistent.items()})
+    compiled = graphs.runners[0]._fn(inputs, {k: v.clone() for k, v in persistent.items()})
+    assert eager.shape[0] == 1
+    torch.testing.assert_close(eager, compiled[:1], atol=1e-5, rtol=1e-5)
