@@ -109,6 +109,49 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"GraphConfig.{name} must be >= {minimum}, got {value}")
 
 
+def check_config(config: GraphConfig) -> BucketPolicy:
+    """A bucketed runner's ``config`` checked, and its bucket policy (every KV capacity whole blocks)."""
+    if not isinstance(config, GraphConfig):
+        raise TypeError(f"config must be a GraphConfig, got {type(config).__name__}")
+    policy = config.policy()
+    for kv in policy.kv_capacities:
+        if kv % config.block_size:
+            raise ValueError(f"kv capacity {kv} is not a multiple of block_size={config.block_size}")
+    return policy
+
+
+def check_row_specs(arg: str, specs: Mapping[str, RowInput]) -> dict[str, RowInput]:
+    """``specs`` (the caller's per-row or per-token inputs, named ``arg``) as a dict of ``RowInput``."""
+    for name, spec in specs.items():
+        if not isinstance(spec, RowInput):
+            raise TypeError(f"{arg}[{name!r}] must be a RowInput, got {type(spec).__name__}")
+    return dict(specs)
+
+
+def check_row_values(arg: str, given: Mapping[str, torch.Tensor], specs: Mapping[str, RowInput], rows: int,
+                     rows_note: str, device: torch.device, num_slots: int | None) -> None:
+    """The per-row inputs of one run against their specs, before a replay (inside one a wrong shape or dtype fails
+    deep in the step or the buffer copy): the names, ``[rows, *spec.shape]``, the exact dtype (the fallback runs
+    them as they are, and another dtype there is another compile), the device and, with ``num_slots``, the slot
+    ranges of ``RowInput(slots=True)`` inputs. ``rows_note`` says where ``rows`` comes from."""
+    missing, extra = sorted(set(specs) - set(given)), sorted(set(given) - set(specs))
+    if missing or extra:
+        raise ValueError(f"{arg}: missing inputs {missing}, unexpected inputs {extra}; expected {sorted(specs)}")
+    for name, spec in specs.items():
+        t = given[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg}[{name!r}] must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (rows, *spec.shape):
+            raise ValueError(f"{arg}[{name!r}] has shape {tuple(t.shape)}, expected {(rows, *spec.shape)} "
+                             f"({rows_note})")
+        if t.dtype != spec.dtype:
+            raise ValueError(f"{arg}[{name!r}] has dtype {t.dtype}, expected {spec.dtype}")
+        if t.device != device:
+            raise ValueError(f"{arg}[{name!r}] is on {t.device}, these graphs run on {device}")
+        if spec.slots and num_slots is not None:
+            validate.check_slot_values(f"{arg}[{name!r}]", t, num_slots)
+
+
 def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
     """The slot count of the KV caches: the floating-point persistent tensors, indexed by slot along dim 0 (the
     smallest, should they differ)."""
@@ -133,19 +176,11 @@ class DecodeGraphs:
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, device: torch.device | str,
                  row_inputs: Mapping[str, RowInput], check_slots: bool = True):
-        if not isinstance(config, GraphConfig):
-            raise TypeError(f"config must be a GraphConfig, got {type(config).__name__}")
-        for name, spec in row_inputs.items():
-            if not isinstance(spec, RowInput):
-                raise TypeError(f"row_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+        self.policy = check_config(config)
+        self.row_inputs = check_row_specs("row_inputs", row_inputs)
         self.check_slots = check_slots
         self.config = config
         self.device = torch.device(device)
-        self.policy = config.policy()
-        for kv in self.policy.kv_capacities:
-            if kv % config.block_size:
-                raise ValueError(f"kv capacity {kv} is not a multiple of block_size={config.block_size}")
-        self.row_inputs = dict(row_inputs)
         use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
         compiled = compile_step(step_fn) if config.enable_torch_compile else None
         keys = [k for k in self.policy.keys() if self._reachable(k)]

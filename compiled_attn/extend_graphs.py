@@ -25,9 +25,8 @@ import torch
 
 from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
 
-from . import validate
 from .compile_policy import compile_step
-from .decode_graphs import RowInput, cache_slots
+from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values
 from .extend import ExtendTileInputs, default_tile_q, plan_extend_tiles
 from .metadata import ExtendInputs, ExtendMetadata
 from .plan import normalize_window
@@ -160,14 +159,12 @@ class ExtendGraphs:
             raise TypeError(f"config must be an ExtendGraphConfig, got {type(config).__name__}")
         if not token_inputs:
             raise ValueError("token_inputs must name at least one per-token input (e.g. the packed q)")
-        for name, spec in token_inputs.items():
-            if not isinstance(spec, RowInput):
-                raise TypeError(f"token_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+        self.token_inputs = check_row_specs("token_inputs", token_inputs)
+        for name in self.token_inputs:
             if name in ExtendTileInputs._fields:
                 raise ValueError(f"token_inputs[{name!r}] clashes with an ExtendTileInputs field of the same name")
         self.config = config
         self.device = torch.device(device)
-        self.token_inputs = dict(token_inputs)
         self.causal, self.sliding_window = bool(causal), normalize_window(sliding_window)
         self.check_slots = check_slots
         self.tile_q = config.tile_q or default_tile_q(self.device.type == "cpu")
@@ -308,19 +305,8 @@ class ExtendGraphs:
 
     def _check_tokens(self, num_tokens: int, tokens: Mapping[str, torch.Tensor],
                       persistent: Mapping[str, torch.Tensor]) -> None:
-        missing, extra = sorted(set(self.token_inputs) - set(tokens)), sorted(set(tokens) - set(self.token_inputs))
-        if missing or extra:
-            raise ValueError(f"tokens: missing inputs {missing}, unexpected inputs {extra}; expected "
-                             f"{sorted(self.token_inputs)}")
-        for name, spec in self.token_inputs.items():
-            t = tokens[name]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"tokens[{name!r}] must be a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != (num_tokens, *spec.shape):
-                raise ValueError(f"tokens[{name!r}] has shape {tuple(t.shape)}, expected "
-                                 f"{(num_tokens, *spec.shape)} (num_tokens of the planned batch first)")
-            if spec.slots and self.check_slots:
-                validate.check_slot_values(f"tokens[{name!r}]", t, cache_slots(persistent))
+        check_row_values("tokens", tokens, self.token_inputs, num_tokens, "num_tokens of the planned batch first",
+                         self.device, cache_slots(persistent) if self.check_slots else None)
 
     @property
     def stats(self):

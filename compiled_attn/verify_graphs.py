@@ -30,9 +30,8 @@ import torch
 from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv
 from graphs.runner_helpers import slice_rows
 
-from . import validate
 from .compile_policy import compile_step
-from .decode_graphs import GraphConfig, RowInput, cache_slots
+from .decode_graphs import GraphConfig, RowInput, cache_slots, check_config, check_row_specs, check_row_values
 from .verify import VerifyInputs, VerifyMetadata, plan_verify
 
 #: the per-request fields of ``VerifyInputs`` (block_ids and block_offsets are unbatched aranges)
@@ -79,21 +78,14 @@ class VerifyGraphs:
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, draft_lens: Sequence[int],
                  device: torch.device | str, token_inputs: Mapping[str, RowInput], check_slots: bool = True):
-        if not isinstance(config, GraphConfig):
-            raise TypeError(f"config must be a GraphConfig, got {type(config).__name__}")
-        for name, spec in token_inputs.items():
-            if not isinstance(spec, RowInput):
-                raise TypeError(f"token_inputs[{name!r}] must be a RowInput, got {type(spec).__name__}")
+        self.policy = check_config(config)
+        self.token_inputs = check_row_specs("token_inputs", token_inputs)
+        for name in self.token_inputs:
             if name in VerifyInputs._fields:
                 raise ValueError(f"token_inputs[{name!r}] clashes with the VerifyInputs field of the same name")
         self.draft_lens = _check_draft_lens(draft_lens)
         self.config = config
         self.device = torch.device(device)
-        self.policy = config.policy()
-        for kv in self.policy.kv_capacities:
-            if kv % config.block_size:
-                raise ValueError(f"kv capacity {kv} is not a multiple of block_size={config.block_size}")
-        self.token_inputs = dict(token_inputs)
         self.check_slots = check_slots
         use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
         compiled = compile_step(step_fn) if config.enable_torch_compile else None
@@ -222,25 +214,9 @@ class VerifyGraphs:
             t = getattr(meta.inputs, name)
             if t.device != self.device:
                 raise ValueError(f"meta.inputs.{name} is on {t.device}, these graphs run on {self.device}")
-        missing, extra = sorted(set(self.token_inputs) - set(tokens)), sorted(set(tokens) - set(self.token_inputs))
-        if missing or extra:
-            raise ValueError(f"tokens: missing inputs {missing}, unexpected inputs {extra}; expected "
-                             f"{sorted(self.token_inputs)}")
         n = meta.num_real * k
-        for name, spec in self.token_inputs.items():
-            t = tokens[name]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"tokens[{name!r}] must be a tensor, got {type(t).__name__}")
-            if tuple(t.shape) != (n, *spec.shape):
-                raise ValueError(f"tokens[{name!r}] has shape {tuple(t.shape)}, expected {(n, *spec.shape)} "
-                                 f"(num_real * draft_len = {meta.num_real} * {k} tokens first)")
-            # exact: the fallback passes inputs as they are, and another dtype there is another compile
-            if t.dtype != spec.dtype:
-                raise ValueError(f"tokens[{name!r}] has dtype {t.dtype}, expected {spec.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"tokens[{name!r}] is on {t.device}, these graphs run on {self.device}")
-            if spec.slots and self.check_slots:
-                validate.check_slot_values(f"tokens[{name!r}]", t, cache_slots(persistent))
+        check_row_values("tokens", tokens, self.token_inputs, n, f"num_real * draft_len = {meta.num_real} * {k} "
+                         "tokens first", self.device, cache_slots(persistent) if self.check_slots else None)
 
     @property
     def stats(self):
