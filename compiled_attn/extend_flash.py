@@ -14,6 +14,8 @@ NaN/Inf there cannot reach any output. A span is masked (additive bias) only whe
 visible; fully visible spans run without a mask. A causal tile that sees exactly the keys ``[0, n_q)`` (a request's
 first tile when it has no prefix) is the kernel's own top-left causal case and runs with ``is_causal`` (heads
 unfolded: the causal rows must be positions), which skips the masked half (3-9% of a no-prefix batch, 1 thread).
+A causal request whose new tokens span ``CAUSAL_SQUARE_TILES`` query tiles or more runs whole (``_trapezoid``): its
+prefix as one unmasked call, its new tokens as one causal square, merged; no masked diagonal spans.
 
 The loop runs inside an opaque op (``opaque.py``): ``torch.compile`` sees one call, and the op reads its small per-pair
 CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a bucket's padding.
@@ -50,7 +52,8 @@ def run_on_threads(n: int):
 SPAN_BYTES = 8 << 20
 #: the most float32 K bytes of one request's keys held across its query tiles (V doubles it)
 HELD_BYTES = 64 << 20
-#: a request with no prefix whose new tokens span at least this many query tiles is one causal kernel call
+#: a causal request whose new tokens span at least this many query tiles runs as its prefix (one call) and one
+#: causal square
 CAUSAL_SQUARE_TILES = 4
 
 
@@ -156,15 +159,20 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
         r += 1
         i, j = runs[r]
         n_q, n_k = qc[i], n_keys[r]
-        if causal and window < 0 and rel[i] == 0 and n_k == n_q:
-            # a request with no prefix: its later query tiles continue the same causal square, and the whole square
-            # is one call of the kernel's own causal case (as the per-request loop makes it), not one per tile
+        i_keys, square = i, None
+        if causal and window < 0 and n_k >= rel[i] + n_q:
+            # a causal tile sees every key up to its last query (its key range, from the request's first key, may
+            # run on to the end of a key tile): with the request's next tiles it may form a causal square (no
+            # prefix) or a trapezoid (a prefix of rel[i] keys, then the square), run whole: one call of the kernel's
+            # own causal case for the square (as the per-request loop makes it) and one unmasked call for the
+            # prefix, not one call per tile with masked diagonal spans
             last = _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held)
-            r, (_, j) = last, runs[last]
-            n_q = n_k = n_keys[last]
-            i_keys = runs[last][0]
-        else:
-            i_keys = i
+            if last > r or rel[i] == 0:
+                square = rel[i]  # the keys before the square
+                a = runs[last][0]
+                r, j, i_keys = last, runs[last][1], a
+                n_q = qs[a] + qc[a] - qs[i]
+                n_k = square + n_q  # the visible keys: the first ones of the last tile's range
         # key tiles are contiguous and only a range's last is partial
         keys = flat_slots[i_keys * tk:i_keys * tk + n_k]
         if n_k > max_held:
@@ -178,19 +186,16 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
             if n_keys[best] > max_held or not torch.equal(big[:n_k], keys):
                 big = keys
             held = (big, *gather(big))
-        q_tile = q[qs[i]:qs[i] + n_q]
-        acc = None
-        if causal and window < 0 and rel[i] == 0 and n_k == n_q:
-            # a tile that sees exactly keys [0, n_q) (a request's first tile, no prefix) is the kernel's own causal
-            # case (top-left aligned): heads unfolded, the kernel skips the masked half
+        q_tile = q[qs[i]:qs[i] + n_q].to(dtype)
+        if square is not None:
             k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
-            o, lse = flash(q_tile.permute(1, 0, 2)[None].to(dtype), k, v, 0.0, True, scale=scale)
-            o = apply_sinks(o[0, ..., :dv], lse[0], None if sinks is None else sinks.reshape(-1, 1))  # [Hq, n_q, dv]
-            out[qs[i]:qs[i] + n_q] = o.permute(1, 0, 2).reshape(n_q, hkv, group, dv)
+            o, lse = _trapezoid(flash, q_tile, k, v, square, scale)  # [Hkv, group, n_q(, D)]
+            o = apply_sinks(o[..., :dv], lse, None if sinks is None else sinks[..., None])
+            out[qs[i]:qs[i] + n_q] = o.permute(2, 0, 1, 3)
             written[qs[i]:qs[i] + n_q] = True
             continue
-        # the group's heads go into the query-sequence dimension: one K/V head serves group * n_q rows
-        folded = q_tile.view(n_q, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n_q, d).to(dtype)
+        folded = _fold(q_tile, hkv)
+        acc = None
         a = i
         while a < j:  # spans of consecutive pairs, at most span_keys keys (at least one pair)
             b, n = a + 1, kc[a]
@@ -219,16 +224,40 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
     return out
 
 
+def _fold(q_tile: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[n_q, Hq, D] -> [1, Hkv, group * n_q, D]: the group's heads go into the query-sequence dimension, so one K/V
+    head serves group * n_q rows."""
+    n_q, hq, d = q_tile.shape
+    return q_tile.view(n_q, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(1, hkv, hq // hkv * n_q, d)
+
+
+def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float):
+    """``n_q`` queries over ``prefix + n_q`` keys, query ``a`` seeing keys ``[0, prefix + a]``: the prefix keys,
+    visible to every query, as one unmasked call (GQA heads folded into the query rows), the last ``n_q`` keys as
+    the kernel's own top-left causal square (heads unfolded: the causal rows must be positions; the kernel skips
+    the masked half), merged by log-sum-exp. q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv,
+    group, n_q, D] float32, lse [Hkv, group, n_q]."""
+    n_q, hq, d = q_tile.shape
+    hkv = k.shape[1]
+    o, lse = flash(q_tile.permute(1, 0, 2)[None], k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+    o, lse = o[0].float().view(hkv, hq // hkv, n_q, d), lse[0].view(hkv, hq // hkv, n_q)
+    if not prefix:
+        return o, lse
+    o_p, lse_p = flash(_fold(q_tile, hkv), k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    return _merge(o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q), o, lse)
+
+
 def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> int:
-    """The last run of the causal square that starts at run ``r`` (a request's first query tile, no prefix): the
-    following runs whose query tiles continue it (next queries, same first key, keys up to their last query)."""
+    """The last run of the causal square (or trapezoid: after a prefix of ``rel`` keys) that starts at run ``r``
+    (a query tile that sees every key up to its last query): the following runs whose query tiles continue it
+    (next queries, same first key, keys up to their last query)."""
     i = runs[r][0]
     last = r
     while last + 1 < len(runs):
         a = runs[last + 1][0]
-        offset = qs[a] - qs[i]
+        offset = rel[i] + qs[a] - qs[i]
         if (qs[a] != qs[runs[last][0]] + qc[runs[last][0]] or first_slot[a] != first_slot[i] or rel[a] != offset
-                or n_keys[last + 1] != offset + qc[a] or n_keys[last + 1] > max_held):
+                or n_keys[last + 1] < offset + qc[a] or offset + qc[a] > max_held):
             break
         last += 1
     # a short square stays tiled: its folded GQA tiles (one K/V head serving group * 256 query rows) ran faster

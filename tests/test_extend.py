@@ -249,3 +249,25 @@ def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["gqa", "mla_normal"])
+def test_prefix_trapezoid_is_one_causal_call_plus_one_prefix_call(monkeypatch, shape, dtype):
+    """A causal request whose new tokens span several query tiles runs as its prefix (one unmasked call) and its
+    causal square (the kernel's own causal case), merged: prefixes and tile edges that do not line up with the key
+    tiles included. Equal to the float64 reference."""
+    import compiled_attn.extend_flash as flash
+
+    calls = []
+    real = flash._trapezoid
+
+    def counting(run, q_tile, k, v, prefix, scale):
+        calls.append((q_tile.shape[0], prefix))
+        return real(run, q_tile, k, v, prefix, scale)
+
+    monkeypatch.setattr(flash, "_trapezoid", counting)
+    hq, hkv, dqk, dv = SHAPES[shape]
+    b = make_batch([70, 45, 45, 33], [30, 0, 13, 13], hq=hq, hkv=hkv, dqk=dqk, dv=dv, dtype=dtype, seed=4)
+    _check(b, "flash", dtype, tile_q=8, tile_k=16)
+    assert sorted(calls) == [(32, 13), (40, 30), (45, 0)]  # 20 new tokens over 13: three tiles, tiled
