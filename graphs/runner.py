@@ -42,6 +42,7 @@ from graphs.runner_helpers import (
     describe,
     key_attrs,
     largest_first,
+    mark_fixed_dims,
     normalize_device,
     slice_rows,
 )
@@ -202,6 +203,7 @@ class GraphRunner:
             # One pool for all graphs: they never run concurrently, so they can share memory.
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device=self.device)
+        self._mark_fixed_dims(persistent)
         timings: dict[Key, dict[str, float]] = {}
         bar = tqdm(self.keys, disable=not self.progress, unit="bucket", leave=False)
         for key in bar:
@@ -211,6 +213,13 @@ class GraphRunner:
         bar.close()
         self._signatures = self._signatures_of(persistent)
         return timings
+
+    def _mark_fixed_dims(self, persistent: dict[str, torch.Tensor]) -> None:
+        """``mark_fixed_dims`` over every bucket's buffers, allocated up front (warm-up allocates them all anyway)."""
+        for key in self.keys:
+            if key not in self._entries:
+                self._entries[key] = _Entry(self._new_buffers(key), key_attrs(key))
+        mark_fixed_dims(persistent, [e.buffers.tensors for e in self._entries.values()])
 
     def _warm_one(self, key: Key, attrs: dict[str, Any], persistent: dict[str, torch.Tensor],
                   choice: str | None = None) -> dict[str, float]:

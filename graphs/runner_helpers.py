@@ -58,3 +58,25 @@ def normalize_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def mark_fixed_dims(persistent: Mapping[str, torch.Tensor], buffers: list[Mapping[str, torch.Tensor]]) -> None:
+    """Tell dynamo which sizes never change, so one dynamic compile traces them as numbers: every dim of the
+    persistent tensors (a replaced one is re-captured or refused anyway) and each buffer dim that is the same in
+    every bucket's buffers (head counts, head sizes; the batch and capacity dims stay symbolic).
+
+    Why: each symbolic size goes through sympy in every traced op; a 4-layer decode step traced in 2.4 s
+    (fake-tensor propagation 2.0 s) with them all symbolic and in 1.1 s (0.7 s) without the fixed ones, on every
+    start, warm restarts included. buffers: one ``{name: tensor}`` per bucket."""
+    for t in persistent.values():
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static(t)
+    per_name: dict[str, list[torch.Tensor]] = {}
+    for tensors in buffers:
+        for name, t in tensors.items():
+            per_name.setdefault(name, []).append(t)
+    for tensors in per_name.values():
+        for dim in range(tensors[0].dim()):
+            if len({t.shape[dim] if t.dim() > dim else None for t in tensors}) == 1:
+                for t in tensors:
+                    torch._dynamo.mark_static(t, dim)

@@ -220,3 +220,23 @@ def test_one_row_bucket_eager_form_drops_the_padding_row():
     compiled = graphs.runners[0]._fn(inputs, {k: v.clone() for k, v in persistent.items()})
     assert eager.shape[0] == 1
     torch.testing.assert_close(eager, compiled[:1], atol=1e-5, rtol=1e-5)
+
+
+def test_sizes_fixed_in_every_bucket_are_static_to_the_compile():
+    """Warm-up tells dynamo which sizes never change (every dim of the persistent tensors, each buffer dim equal in
+    every bucket: heads, head size, block size), so the one dynamic compile traces fewer symbols; the batch and
+    block-capacity dims stay dynamic (one graph still serves every bucket)."""
+    torch._dynamo.reset()
+    shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=256)
+    before = counters["stats"]["unique_graphs"]
+    graphs.warmup(persistent)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+    def static(t):  # the dims torch._dynamo.mark_static marked
+        return getattr(t, "_dynamo_static_indices", set())
+
+    assert static(persistent["k0"]) == {0, 1, 2}
+    runner = graphs.runners[0]
+    one, four = (runner.buffers((bs, 256)).tensors for bs in (1, 4))
+    assert static(four["x"]) == {1, 2} and static(one["x"]) == {1, 2}  # batch dim: 2 (padded) vs 4, dynamic
+    assert static(four["block_offsets"]) == {0}
