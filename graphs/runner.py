@@ -68,7 +68,8 @@ def faster_form(compiled_s: float, eager_s: float, margin: float = EAGER_MARGIN)
 class RunnerStats:
     """Counters since construction.
 
-    replays:    runs through a warmed bucket (CUDA-graph replay, or compiled call on the static buffers).
+    replays:    runs through a warmed bucket (CUDA-graph replay, a call on the static buffers, or a bucket's eager step
+                on the real rows: ``DecodeGraphs``).
     fallbacks:  runs without a bucket (batch beyond the largest bucket, or a key that was not warmed).
     recaptures: times every graph was re-captured because a persistent tensor changed (CUDA graphs only).
     """

@@ -112,13 +112,18 @@ class StaticBuffers:
         wrong shape or ``n > bucket``; TypeError for a dtype that does not cast safely to the buffer's.
         Returns ``n`` (also stored as ``num_real``).
         """
+        n = self.check(real)
+        for name, src in real.items():
+            self._write(name, src, n)
+        self.num_real = n
+        return n
+
+    def check(self, real: Mapping[str, torch.Tensor]) -> int:
+        """``copy_in``'s checks without the copy (for a caller that runs a step on ``real`` itself); returns ``n``."""
         self._check_names(real)
         n = self.num_rows(real)
         for name, src in real.items():
             self._check_one(name, src, n)
-        for name, src in real.items():
-            self._write(name, src, n)
-        self.num_real = n
         return n
 
     def _check_names(self, real: Mapping[str, torch.Tensor]) -> None:

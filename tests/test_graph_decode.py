@@ -240,3 +240,25 @@ def test_sizes_fixed_in_every_bucket_are_static_to_the_compile():
     one, four = (runner.buffers((bs, 256)).tensors for bs in (1, 4))
     assert static(four["x"]) == {1, 2} and static(one["x"]) == {1, 2}  # batch dim: 2 (padded) vs 4, dynamic
     assert static(four["block_offsets"]) == {0}
+
+
+def test_eager_buckets_run_on_the_real_rows(monkeypatch):
+    """A bucket whose warm-up measured the eager step faster runs it on the batch's own rows: same output as the
+    plain step, the bucket's buffers untouched (nothing is replayed from them), bad inputs still refused."""
+    from graphs import GraphRunner
+
+    monkeypatch.setattr(GraphRunner, "EAGER_MARGIN", -10.0)  # every bucket picks the eager step
+    torch._dynamo.reset()
+    shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=256)
+    graphs.warmup(persistent)
+    assert set(graphs.choices().values()) == {"eager"}
+    meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(9))
+    key = graphs.key_for(meta)
+    buffers = graphs.runners[0].buffers(key).tensors
+    before = {k: v.clone() for k, v in buffers.items()}
+    expected, _ = _plain(step, meta, rows, persistent)
+    out = graphs.run(meta, rows, persistent)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert out.shape[0] == 3 and all(torch.equal(buffers[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match="x"):
+        graphs.run(meta, {**rows, "x": rows["x"][:, :1]}, persistent)
