@@ -19,7 +19,7 @@ import time
 import torch
 
 from profiling.host import add_malloc_flag, tune_malloc
-from profiling.timers import format_table, median, time_fn
+from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from ..compile_policy import compile_step, load_artifacts, save_artifacts, set_cache_dir
 from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
@@ -89,9 +89,11 @@ def run(args) -> dict:
             sync()
         first = time.perf_counter() - first_start
         inputs = _step_inputs(meta, rows_in)
-        graph_t = time_fn(functools.partial(graphs.run, meta, rows_in, persistent), warmup=0, iters=args.iters,
-                          sync=sync)
-        eager_t = time_fn(functools.partial(step, inputs, persistent), warmup=1, iters=args.iters, sync=sync)
+        # round-robin, so a neighbour's burst on this shared machine slows both alike
+        times = time_interleaved({"graph": functools.partial(graphs.run, meta, rows_in, persistent),
+                                  "eager": functools.partial(step, inputs, persistent)},
+                                 warmup=0, iters=args.iters, sync=sync)
+        graph_t, eager_t = times["graph"], times["eager"]
         rows.append({"bs": bs, "first_ms": first * 1e3, "median_ms": median(graph_t) * 1e3,
                      "first/median": first / median(graph_t), "eager_ms": median(eager_t) * 1e3,
                      "eager/compiled": median(eager_t) / median(graph_t)})
