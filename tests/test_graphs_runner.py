@@ -1,8 +1,5 @@
-"""GraphRunner with a toy attention-like step over a persistent cache (CPU compiled replay; CUDA twins).
-
-The toy step reads a persistent ``cache [S, D]`` through a static slot table, masks by ``seq_lens`` and
-returns ``(out [bs, D], lse [bs])``: the shape of a decode step without the attention specifics.
-"""
+"""GraphRunner with a toy attention-like step over a persistent cache (``graph_toys``): CPU compiled replay. The
+CUDA twins are in ``test_graphs_runner_cuda.py``."""
 
 from __future__ import annotations
 
@@ -11,96 +8,25 @@ import warnings
 
 import pytest
 import torch
+from graph_toys import (
+    NUM_SLOTS,
+    POLICY,
+    D,
+    assert_outputs_match,
+    compile_count,
+    key_for,
+    make_buffers_on,
+    make_runner,
+    real_batch,
+    toy_step,
+)
 from torch._dynamo.utils import counters
 
-from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers
+from graphs import GraphRunner, StaticBuffers
 from profiling import enabled_ranges
-
-D = 8
-NUM_SLOTS = 64
-POLICY = BucketPolicy((1, 2, 4, 8, 16), (16, 32))
 
 # torch's own import of torch.utils.mkldnn (pulled in by inductor) warns about torch.jit.script_method.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def toy_step(inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [bs, D] f32, slots [bs, kv] i64 (rows of cache), seq_lens [bs] i64; cache [S, D] f32.
-
-    Returns out [bs, D] (softmax-weighted cache rows over the first seq_lens slots) and lse [bs].
-    """
-    q, slots, lens = inputs["q"], inputs["slots"], inputs["seq_lens"]
-    k = persistent["cache"][slots]  # [bs, kv, D]
-    scores = (k * q[:, None, :]).sum(-1)  # [bs, kv]
-    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]
-    scores = scores.masked_fill(~valid, float("-inf"))
-    out = (torch.softmax(scores, -1)[..., None] * k).sum(1)
-    return out, torch.logsumexp(scores, -1)
-
-
-def make_buffers_on(device):
-    def make_buffers(key: tuple[int, int]) -> StaticBuffers:
-        bs, kv = key
-        specs = {
-            "q": BufferSpec((bs, D), torch.float32, fill=0.0),
-            "slots": BufferSpec((bs, kv), torch.int64, fill=0),  # padded rows read the dummy slot 0
-            "seq_lens": BufferSpec((bs,), torch.int64, fill=1),  # one token: cheap and finite
-        }
-        return StaticBuffers(specs, device)
-
-    return make_buffers
-
-
-def real_batch(n: int, max_len: int, device="cpu", gen=None) -> dict[str, torch.Tensor]:
-    """n requests of 1..max_len tokens, slots padded to kv_bucket(max_len) columns (never slot 0)."""
-    kv = POLICY.kv_bucket(max_len)
-    lens = torch.randint(1, max_len + 1, (n,), generator=gen)
-    lens[0] = max_len
-    return {
-        "q": torch.randn(n, D, generator=gen).to(device),
-        "slots": torch.randint(1, NUM_SLOTS, (n, kv), generator=gen).to(device),
-        "seq_lens": lens.to(device),
-    }
-
-
-def inductor(fn):
-    return torch.compile(fn, fullgraph=True, backend="inductor")
-
-
-KEYS = POLICY.keys()
-
-
-def make_runner(device="cpu", *, compile_fn=inductor, keys=KEYS, **kwargs) -> GraphRunner:
-    return GraphRunner(
-        toy_step,
-        make_buffers=make_buffers_on(device),
-        keys=keys,
-        device=device,
-        use_cuda_graph=torch.device(device).type == "cuda",
-        compile_fn=compile_fn,
-        progress=False,
-        **kwargs,
-    )
-
-
-def assert_outputs_match(got, real, persistent, n):
-    want = toy_step(real, persistent)
-    for g, w in zip(got, want, strict=False):
-        assert g.shape[0] >= n
-        torch.testing.assert_close(g[:n], w, rtol=1e-5, atol=1e-5)
-
-
-def key_for(real):
-    return POLICY.key(real["q"].shape[0], real["slots"].shape[1])
-
-
-def compile_count() -> tuple[int, int]:
-    # torch 2.13 has no counters["recompiles"] (and counters["frames"] stays empty on this path): every dynamo
-    # compile adds one to stats/unique_graphs and one aot_autograd/total.
-    return counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
 
 
 @pytest.fixture(autouse=True)
@@ -353,77 +279,6 @@ def test_integer_keys_work(persistent):
     runner.warmup(persistent)
     real = real_batch(3, 16)
     assert_outputs_match(runner.run(4, real, persistent), real, persistent, 3)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# CUDA twins: graph capture and replay
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("compile_fn", [None, inductor], ids=["eager", "inductor"])
-def test_cuda_graph_replay_matches_eager(compile_fn):
-    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
-    runner = make_runner("cuda", compile_fn=compile_fn)
-    timings = runner.warmup(persistent)
-    assert runner.num_captured == len(POLICY.keys())
-    assert all("capture_s" in t for t in timings.values())
-    gen = torch.Generator().manual_seed(5)
-    for n in (3, 5, 13, 1, 16):
-        real = real_batch(n, 20, "cuda", gen=gen)
-        out = runner.run(key_for(real), real, persistent)
-        assert_outputs_match(out, real, persistent, n)
-    assert runner.stats.replays == 5
-    runner.reset()
-    assert runner.num_captured == 0
-
-
-@cuda
-@needs_cuda
-def test_cuda_graph_replay_reads_new_cache_data():
-    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
-    runner = make_runner("cuda", compile_fn=None)
-    runner.warmup(persistent)
-    real = real_batch(5, 12, "cuda")
-    first = [t.clone() for t in runner.run(key_for(real), real, persistent)]
-    persistent["cache"].copy_(torch.randn(NUM_SLOTS, D, device="cuda"))
-    second = runner.run(key_for(real), real, persistent)
-    assert not torch.allclose(first[0][:5], second[0][:5])
-    assert_outputs_match(second, real, persistent, 5)
-
-
-@cuda
-@needs_cuda
-def test_cuda_replaced_persistent_tensor_triggers_recapture():
-    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
-    runner = make_runner("cuda", compile_fn=None, keys=[(8, 16), (4, 16)])
-    runner.warmup(persistent)
-    real = real_batch(3, 10, "cuda")
-    runner.run(key_for(real), real, persistent)
-    for replacement in (torch.randn(NUM_SLOTS, D, device="cuda"), torch.randn(2 * NUM_SLOTS, D, device="cuda")):
-        new = {"cache": replacement}
-        if runner.stats.recaptures == 0:
-            with pytest.warns(UserWarning, match="'cache' was replaced.*re-capturing all 2 CUDA graphs"):
-                out = runner.run(key_for(real), real, new)
-        else:
-            out = runner.run(key_for(real), real, new)  # warned once per runner
-        assert_outputs_match(out, real, new, 3)
-        assert runner.num_captured == 2
-    assert runner.stats.recaptures == 2
-    del persistent  # the original cache is freed: the graphs no longer point at it
-    out = runner.run(key_for(real), real, new)
-    assert_outputs_match(out, real, new, 3)
-
-
-@cuda
-@needs_cuda
-def test_cuda_replaced_persistent_tensor_raises_without_recapture():
-    persistent = {"cache": torch.randn(NUM_SLOTS, D, device="cuda")}
-    runner = make_runner("cuda", compile_fn=None, keys=[(4, 16)], recapture_on_change=False)
-    runner.warmup(persistent)
-    real = real_batch(3, 10, "cuda")
-    with pytest.raises(RuntimeError, match="'cache' was replaced"):
-        runner.run((4, 16), real, {"cache": persistent["cache"].clone()})
 
 
 def test_choices_from_an_earlier_start_skip_the_measurement(persistent):
