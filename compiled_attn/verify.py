@@ -42,14 +42,12 @@ from .decode_flash import one_call_fits
 from .kv_dtype import compute_dtype, dequantize
 from .metadata import DecodeInputs
 from .opaque import opaque_op
-from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
+from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
+from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
 
 __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "chain_mask",
            "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_blocks"]
-from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 
-MASK_LAYOUTS = ("draft", "full")
-MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _LOWEST = torch.finfo(torch.float32).min
 #: bytes of float32 K per gathered chunk of one request's prefix (``verify_flash``): 512 tokens of llama-3-8b's 8 KV
 #: heads; 1, 2 and 4 MiB measured within 10% of each other (2 MiB best) at bs 1..32, k 4..8, one thread
@@ -150,12 +148,7 @@ def plan_verify(
     if mask_layout not in MASK_LAYOUTS:
         raise ValueError(f"mask_layout must be one of {MASK_LAYOUTS}, got {mask_layout!r}")
     if custom_mask is not None:
-        validate.check_tensor("custom_mask", custom_mask, 1, MASK_DTYPES, device)
-        want = bs * k * k if mask_layout == "draft" else full_mask_numel(prefix, k)
-        if custom_mask.numel() != want:
-            rule = "bs * k * k" if mask_layout == "draft" else "k * sum(prefix_lens) + bs * k * k"
-            raise ValueError(f"custom_mask has {custom_mask.numel()} elements; mask_layout={mask_layout!r} with "
-                             f"bs={bs}, draft_len={k} needs {rule} = {want}")
+        check_custom_mask(custom_mask, prefix, k, mask_layout, device)
     unit = gather_unit(page_size, block_size)
     if check_slots:
         start = aligned_kv_lo(torch.zeros_like(prefix), unit)

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from . import validate
+
+MASK_LAYOUTS = ("draft", "full")
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
 
 def chain_mask(bs: int, k: int, device=None) -> torch.Tensor:
     """[bs, k, k] bool: the causal chain (topk 1), query ``i`` sees draft keys ``j <= i``."""
@@ -37,3 +42,20 @@ def draft_mask_from_custom(custom_mask: torch.Tensor, prefix_lens: torch.Tensor,
 def full_mask_numel(prefix_lens: torch.Tensor, k: int) -> int:
     """Elements a ``"full"``-layout mask of this batch holds: ``k * sum(prefix_lens) + bs * k * k``."""
     return int(k * prefix_lens.sum()) + prefix_lens.shape[0] * k * k
+
+
+def mask_numel(prefix_lens: torch.Tensor, k: int, layout: str) -> int:
+    """Elements a custom mask of this batch holds in ``layout``: ``bs * k * k`` (draft) or ``full_mask_numel``."""
+    return prefix_lens.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix_lens, k)
+
+
+def check_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, k: int, layout: str,
+                      device: torch.device) -> None:
+    """A batch's custom mask: flat, a mask dtype, on ``device``, exactly ``mask_numel`` elements (a wrong size
+    would read another request's rows); TypeError/ValueError naming ``custom_mask`` and the rule otherwise."""
+    validate.check_tensor("custom_mask", custom_mask, 1, MASK_DTYPES, device)
+    want = mask_numel(prefix_lens, k, layout)
+    if custom_mask.numel() != want:
+        rule = "bs * k * k" if layout == "draft" else "k * sum(prefix_lens) + bs * k * k"
+        raise ValueError(f"custom_mask has {custom_mask.numel()} elements; mask_layout={layout!r} with "
+                         f"bs={prefix_lens.shape[0]}, draft_len={k} needs {rule} = {want}")

@@ -15,8 +15,9 @@ pytest.importorskip("sglang")
 
 from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
-from compiled_attn.sglang.speculative import mask_layout, mask_numel  # noqa: E402
+from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
 from compiled_attn.verify import chain_mask  # noqa: E402
+from compiled_attn.verify_masks import mask_numel  # noqa: E402
 
 SG = H.import_sglang()
 PREFIX = [5, 0, 40, 17]

@@ -33,7 +33,8 @@ import torch
 
 from ..extend import extend_tiles, supports_tile_flash, tile_index
 from ..plan import plan_extend
-from ..verify import VerifyIndex, build_verify_index, full_mask_numel, plan_verify, verify_blocks
+from ..verify import VerifyIndex, build_verify_index, plan_verify, verify_blocks
+from ..verify_masks import mask_numel
 from .backend_util import host_int64, layer_logit_cap, layer_window
 
 VERIFY_KEY = ("verify",)  # the verify index's key in the forward state's extend dict (one per forward)
@@ -69,11 +70,6 @@ def mask_layout(device: torch.device) -> str:
     if mode == TreeMaskMode.FULL_MASK:
         return "full"
     raise NotImplementedError(f"compiled_attn: tree mask mode {mode!r} is not supported (QLEN_ONLY or FULL_MASK)")
-
-
-def mask_numel(prefix: torch.Tensor, k: int, layout: str) -> int:
-    """Elements of a custom mask of this batch in ``layout`` (``verify_masks``' module docstring)."""
-    return prefix.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix, k)
 
 
 def mask_of(spec_info, prefix: torch.Tensor, k: int, layout: str) -> torch.Tensor:

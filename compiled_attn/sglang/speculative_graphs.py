@@ -30,10 +30,10 @@ import torch
 
 from .. import validate
 from ..decode import decode_blocks_needed
-from ..verify import MASK_DTYPES, VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
-from ..verify_masks import draft_mask_from_custom
+from ..verify import VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
+from ..verify_masks import check_custom_mask, draft_mask_from_custom
 from .backend_util import GRAPH_KV_TOKENS_ENV, graph_block_capacity, host_int64
-from .speculative import draft_len_of, is_chain, mask_layout, mask_numel, mask_of, with_written_slots
+from .speculative import draft_len_of, is_chain, mask_layout, mask_of, with_written_slots
 
 
 @dataclass
@@ -106,11 +106,7 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
     if real > 0 and not is_chain(spec):
         layout = mask_layout(mask.device)
         custom = mask_of(spec, prefix[:real], k, layout)
-        validate.check_tensor("custom_mask", custom, 1, MASK_DTYPES, mask.device)
-        need = mask_numel(prefix[:real], k, layout)
-        if custom.numel() != need:
-            raise ValueError(f"custom_mask has {custom.numel()} elements; mask_layout={layout!r} with bs={real}, "
-                             f"draft_len={k} needs {need}")
+        check_custom_mask(custom, prefix[:real], k, layout, mask.device)
         mask[:real].copy_(draft_mask_from_custom(custom, prefix[:real].to(mask.device), k, layout))
 
 
