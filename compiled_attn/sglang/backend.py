@@ -46,8 +46,10 @@ from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
     GraphState,
+    check_graph_blocks,
     check_kwargs,
     check_mode,
+    graph_batch_size,
     graph_block_capacity,
     host_int64,
     layer_logit_cap,
@@ -198,9 +200,7 @@ class CompiledAttnBackend(AttentionBackend):
 
     def _check_capacity(self, forward_batch) -> None:
         g = self.graph
-        bs = getattr(forward_batch, "batch_size", None) or forward_batch.seq_lens.shape[0]
-        if bs > g.max_bs:
-            raise ValueError(f"compiled_attn: batch size {bs} exceeds the graph buffers' max_bs={g.max_bs}")
+        bs = graph_batch_size(forward_batch, g.max_bs)
         lens = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
         enc = getattr(forward_batch, "encoder_lens", None)
         enc = host_int64(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
@@ -212,13 +212,8 @@ class CompiledAttnBackend(AttentionBackend):
         for window, cross in self.decode_keys:
             lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
             needed = int(decode_blocks_needed(lo, hi, self.block_size, self.page_size).sum())
-            if needed > cap:
-                raise ValueError(
-                    f"compiled_attn: this decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens) needs {needed} "
-                    f"KV blocks "
-                    f"of {self.block_size}, more than the {cap} a graph of this batch size was captured with "
-                    f"(requests sharing a cached prefix count it once each). Raise {GRAPH_KV_TOKENS_ENV} "
-                    f"(now {g.kv_tokens} tokens) or lower --cuda-graph-max-bs")
+            check_graph_blocks(f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)", needed, cap,
+                               self.block_size, g.kv_tokens)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Graph-recordable: copy the batch's rows/ranges into the static buffers and build the block index of

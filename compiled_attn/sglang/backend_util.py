@@ -25,6 +25,25 @@ def graph_block_capacity(bs: int, *, max_context_len: int, kv_tokens: int, block
     return max(1, min(bs * cdiv(max_context_len + unit - 1, block_size), cdiv(kv_tokens, block_size) + per_row * bs))
 
 
+def graph_batch_size(forward_batch, max_bs: int) -> int:
+    """The batch size of a graph's batch (``forward_batch`` may be SGLang's runner view), refused past the graph
+    buffers' ``max_bs``."""
+    bs = getattr(forward_batch, "batch_size", None) or forward_batch.seq_lens.shape[0]
+    if bs > max_bs:
+        raise ValueError(f"compiled_attn: batch size {bs} exceeds the graph buffers' max_bs={max_bs}")
+    return bs
+
+
+def check_graph_blocks(batch: str, needed: int, capacity: int, block_size: int, kv_tokens: int) -> None:
+    """A batch needing more KV blocks than the captured graph of its size computes over is refused (a replay would
+    drop the rest): the message names the batch (``batch``: what it is and holds) and the setting to raise."""
+    if needed > capacity:
+        raise ValueError(
+            f"compiled_attn: this {batch} needs {needed} KV blocks of {block_size}, more than the {capacity} a graph "
+            f"of this batch size was captured with (requests sharing a cached prefix count it once each). Raise "
+            f"{GRAPH_KV_TOKENS_ENV} (now {kv_tokens} tokens) or lower --cuda-graph-max-bs")
+
+
 def layer_window(layer) -> int | None:
     return normalize_window(getattr(layer, "sliding_window_size", -1))
 

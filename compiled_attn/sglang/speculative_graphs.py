@@ -32,7 +32,7 @@ from .. import validate
 from ..decode import decode_blocks_needed
 from ..verify import VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
 from ..verify_masks import check_custom_mask, draft_mask_from_custom
-from .backend_util import GRAPH_KV_TOKENS_ENV, graph_block_capacity, host_int64
+from .backend_util import check_graph_blocks, graph_batch_size, graph_block_capacity, host_int64
 from .speculative import draft_len_of, is_chain, mask_layout, mask_of, with_written_slots
 
 
@@ -83,23 +83,15 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
     spec = getattr(forward_batch, "spec_info", None)
     k = draft_len_of(spec)
     state = _graph_state(backend, k, create=in_capture)
-    max_bs = backend.graph.max_bs
-    bs = getattr(forward_batch, "batch_size", None) or forward_batch.seq_lens.shape[0]
-    if bs > max_bs:
-        raise ValueError(f"compiled_attn: batch size {bs} exceeds the graph buffers' max_bs={max_bs}")
+    bs = graph_batch_size(forward_batch, backend.graph.max_bs)
     prefix = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
     if prefix.shape != (bs,):
         raise ValueError(f"compiled_attn: seq_lens must have shape [{bs}] (the batch size), got {tuple(prefix.shape)}")
     validate.check_kv_end(prefix + k, backend.req_to_token.shape[1],
                           f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
     needed = int(decode_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size).sum())
-    cap = _capacity(backend, bs, state.block_size)
-    if needed > cap:
-        raise ValueError(
-            f"compiled_attn: this TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens) needs {needed} "
-            f"KV blocks of {state.block_size}, more than the {cap} a graph of this batch size was captured with "
-            f"(requests sharing a cached prefix count it once each). Raise {GRAPH_KV_TOKENS_ENV} (now "
-            f"{backend.graph.kv_tokens} tokens) or lower --cuda-graph-max-bs")
+    check_graph_blocks(f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
+                       _capacity(backend, bs, state.block_size), state.block_size, backend.graph.kv_tokens)
     mask = state.draft_mask[:bs]
     mask.copy_(chain_mask(bs, k, mask.device))
     real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)  # the live mask covers the real rows only
