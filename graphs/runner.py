@@ -216,7 +216,7 @@ class GraphRunner:
         return timings
 
     def _mark_fixed_dims(self, persistent: dict[str, torch.Tensor]) -> None:
-        """``mark_fixed_dims`` over every bucket's buffers, allocated up front (warm-up allocates them all anyway)."""
+        """Every bucket's buffers, allocated up front (a re-warm-up keeps them), then ``mark_fixed_dims`` over them."""
         for key in self.keys:
             if key not in self._entries:
                 self._entries[key] = _Entry(self._new_buffers(key), key_attrs(key))
@@ -224,9 +224,7 @@ class GraphRunner:
 
     def _warm_one(self, key: Key, attrs: dict[str, Any], persistent: dict[str, torch.Tensor],
                   choice: str | None = None) -> dict[str, float]:
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Entry(self._new_buffers(key), attrs)
+        entry = self._entries[key]  # allocated by _mark_fixed_dims
         inputs = entry.buffers.tensors
         times: dict[str, float] = {}
         with prof_range("warmup", **attrs), on_stream(self._stream):
