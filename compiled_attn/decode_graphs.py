@@ -152,6 +152,27 @@ def check_row_values(arg: str, given: Mapping[str, torch.Tensor], specs: Mapping
             validate.check_slot_values(f"{arg}[{name!r}]", t, num_slots)
 
 
+def table_width(persistent: Mapping[str, torch.Tensor]) -> int:
+    """The width of ``persistent["req_to_token"]`` (max_context_len), the table every step indexes; it bounds a
+    warm-up batch. ValueError when it is missing or not a 2-D table of at least one column."""
+    table = persistent.get("req_to_token")
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < 1:
+        raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
+                         f"table every step indexes; got {type(table).__name__ if table is not None else 'none'}"
+                         f" (keys: {sorted(persistent)})")
+    return int(table.shape[1])
+
+
+def kv_bucket_reachable(config: GraphConfig, policy: BucketPolicy, bs: int, kv: int) -> bool:
+    """Whether a batch of ``bs`` rows can need the KV bucket ``kv`` (each row reads <= max_context_len tokens,
+    rounded up to whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
+    if config.max_context_len is None:
+        return True
+    blocks = cdiv(config.max_context_len, config.block_size)
+    smaller = [c for c in policy.kv_capacities if c < kv]
+    return (max(smaller) if smaller else 0) < bs * blocks * config.block_size
+
+
 def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
     """The slot count of the KV caches: the floating-point persistent tensors, indexed by slot along dim 0 (the
     smallest, should they differ)."""
@@ -183,7 +204,7 @@ class DecodeGraphs:
         self.device = torch.device(device)
         use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
         compiled = compile_step(step_fn) if config.enable_torch_compile else None
-        keys = [k for k in self.policy.keys() if self._reachable(k)]
+        keys = [k for k in self.policy.keys() if kv_bucket_reachable(config, self.policy, *k)]
         small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
         large = [k for k in keys if k[0] > config.torch_compile_max_bs]
         fallback = compiled or step_fn
@@ -215,16 +236,6 @@ class DecodeGraphs:
     def _compiles(self, bs: int) -> bool:
         """Whether buckets of ``bs`` rows run the compiled step (``enable_torch_compile``, ``torch_compile_max_bs``)."""
         return self.config.enable_torch_compile and bs <= self.config.torch_compile_max_bs
-
-    def _reachable(self, key: tuple[int, int]) -> bool:
-        """Whether a batch of ``key[0]`` rows can need this KV bucket (each row reads <= max_context_len tokens,
-        rounded up to whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
-        if self.config.max_context_len is None:
-            return True
-        bs, kv = key
-        blocks = cdiv(self.config.max_context_len, self.config.block_size)
-        smaller = [c for c in self.policy.kv_capacities if c < kv]
-        return (max(smaller) if smaller else 0) < bs * blocks * self.config.block_size
 
     def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
         bs, kv_tokens = key
@@ -261,12 +272,7 @@ class DecodeGraphs:
                choices: Mapping[tuple[int, int], str] | None = None) -> dict:
         """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``. ``choices``: an
         earlier start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
-        table = persistent.get("req_to_token")
-        if not isinstance(table, torch.Tensor) or table.dim() != 2:
-            raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
-                             f"table every step indexes; got {type(table).__name__ if table is not None else 'none'}"
-                             f" (keys: {sorted(persistent)})")
-        self._table_width = int(table.shape[1])
+        self._table_width = table_width(persistent)
         timings = {}
         for runner in self.runners:
             timings.update(runner.warmup(persistent, choices))

@@ -26,7 +26,7 @@ import torch
 from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
 
 from .compile_policy import compile_step
-from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values
+from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, table_width
 from .extend import ExtendTileInputs, default_tile_q, plan_extend_tiles
 from .metadata import ExtendInputs, ExtendMetadata
 from .plan import normalize_window
@@ -224,12 +224,9 @@ class ExtendGraphs:
         """Compile (CUDA: capture) every reachable bucket, or only ``keys``; returns per key ``{"compile_s", ...}``
         (``GraphRunner.warmup``). ``choices``: an earlier start's ``choices()`` (skips the compiled-vs-eager
         measurement of those buckets)."""
-        table = persistent.get("req_to_token")
-        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < 1:
-            raise ValueError("persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
-                             f"table every step indexes (keys: {sorted(persistent)})")
+        width = table_width(persistent)
         keys = self.keys() if keys is None else self._check_keys(keys)
-        self._table_width = int(table.shape[1])
+        self._table_width = width
         use_graph = self.device.type == "cuda" and not self.config.disable_cuda_graph
         fn = self._compiled or self._step
         self.runner = GraphRunner(

@@ -27,11 +27,20 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv
+from graphs import BufferSpec, GraphRunner, StaticBuffers
 from graphs.runner_helpers import slice_rows
 
 from .compile_policy import compile_step
-from .decode_graphs import GraphConfig, RowInput, cache_slots, check_config, check_row_specs, check_row_values
+from .decode_graphs import (
+    GraphConfig,
+    RowInput,
+    cache_slots,
+    check_config,
+    check_row_specs,
+    check_row_values,
+    kv_bucket_reachable,
+    table_width,
+)
 from .verify import VerifyInputs, VerifyMetadata, plan_verify
 
 #: the per-request fields of ``VerifyInputs`` (block_ids and block_offsets are unbatched aranges)
@@ -90,7 +99,7 @@ class VerifyGraphs:
         use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
         compiled = compile_step(step_fn) if config.enable_torch_compile else None
         keys = [VerifyKey(bs, k, kv) for bs, kv in self.policy.keys() for k in self.draft_lens
-                if self._reachable(bs, kv)]
+                if kv_bucket_reachable(config, self.policy, bs, kv)]
         fallback = compiled or step_fn
         self.runners: list[GraphRunner] = []
         # as DecodeGraphs: buckets above torch_compile_max_bs run the eager step (still captured on CUDA)
@@ -104,14 +113,6 @@ class VerifyGraphs:
                     eager_fn=step_fn if fn is not None and config.measure_compile else None))
         self._runner_of = {key: r for r in self.runners for key in r.keys}
         self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
-
-    def _reachable(self, bs: int, kv: int) -> bool:
-        """Whether ``bs`` requests can need this KV bucket (each reads < max_context_len prefix tokens)."""
-        if self.config.max_context_len is None:
-            return True
-        blocks = cdiv(self.config.max_context_len, self.config.block_size)
-        smaller = [c for c in self.policy.kv_capacities if c < kv]
-        return (max(smaller) if smaller else 0) < bs * blocks * self.config.block_size
 
     # ---- buffers and warm-up ----
 
@@ -150,11 +151,7 @@ class VerifyGraphs:
                choices: Mapping[VerifyKey, str] | None = None) -> dict:
         """Compile and capture every bucket; returns ``{VerifyKey: {"compile_s", ...}}``. ``choices``: an earlier
         start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
-        table = persistent.get("req_to_token")
-        if not isinstance(table, torch.Tensor) or table.dim() != 2:
-            raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
-                             f"table every step indexes (keys: {sorted(persistent)})")
-        self._table_width = int(table.shape[1])
+        self._table_width = table_width(persistent)
         timings = {}
         for runner in self.runners:
             timings.update(runner.warmup(persistent, choices))
