@@ -173,6 +173,24 @@ def kv_bucket_reachable(config: GraphConfig, policy: BucketPolicy, bs: int, kv: 
     return (max(smaller) if smaller else 0) < bs * blocks * config.block_size
 
 
+def bucket_runners(step_fn: Callable, eager_fn: Callable, keys: Sequence, config: GraphConfig,
+                   device: torch.device, make_buffers: Callable) -> list[GraphRunner]:
+    """The ``GraphRunner`` of a bucketed step's keys (``key[0]``: the batch bucket): buckets up to
+    ``torch_compile_max_bs`` replay the compiled step (``enable_torch_compile``; on CPU whichever of it and
+    ``eager_fn`` measured faster, with ``measure_compile``), larger ones the eager step (still captured on CUDA);
+    a batch beyond every bucket runs the compiled (or eager) step without a graph."""
+    use_graph = device.type == "cuda" and not config.disable_cuda_graph
+    compiled = compile_step(step_fn) if config.enable_torch_compile else None
+    fallback = compiled or step_fn
+    small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
+    large = [k for k in keys if k[0] > config.torch_compile_max_bs]
+    return [GraphRunner(fn or step_fn, make_buffers=make_buffers, keys=group, device=device,
+                        use_cuda_graph=use_graph, fallback_fn=lambda i, p: fallback(i, p),
+                        warmup_iters=config.warmup_iters or (2 if use_graph else 1), progress=config.progress,
+                        eager_fn=eager_fn if fn is not None and config.measure_compile else None)
+            for group, fn in ((small, compiled), (large, None)) if group]
+
+
 def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
     """The slot count of the KV caches: the floating-point persistent tensors, indexed by slot along dim 0 (the
     smallest, should they differ)."""
@@ -202,27 +220,13 @@ class DecodeGraphs:
         self.check_slots = check_slots
         self.config = config
         self.device = torch.device(device)
-        use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
-        compiled = compile_step(step_fn) if config.enable_torch_compile else None
         keys = [k for k in self.policy.keys() if kv_bucket_reachable(config, self.policy, *k)]
-        small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
-        large = [k for k in keys if k[0] > config.torch_compile_max_bs]
-        fallback = compiled or step_fn
-        self.runners: list[GraphRunner] = []
         self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
         self._step_fn = step_fn
         # the input dicts of compiled one-row buckets (held with a padding row: ``_make_buffers``), by id
         self._padded_one_row: set[int] = set()
         self._eager_keys: set[tuple[int, int]] = set()  # buckets that replay the eager step (set by warmup)
-        for group, fn in ((small, compiled), (large, None)):
-            if group:
-                self.runners.append(GraphRunner(
-                    fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
-                    use_cuda_graph=use_graph, compile_fn=None, fallback_fn=lambda i, p: fallback(i, p),
-                    warmup_iters=config.warmup_iters or (2 if use_graph else 1),
-                    progress=config.progress,
-                    # CPU: each bucket replays whichever of the compiled and the eager step measured faster
-                    eager_fn=self._eager_step if fn is not None and config.measure_compile else None))
+        self.runners = bucket_runners(step_fn, self._eager_step, keys, config, self.device, self._make_buffers)
         self._runner_of = {k: r for r in self.runners for k in r.keys}
 
     def _eager_step(self, inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]):

@@ -27,13 +27,13 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BufferSpec, GraphRunner, StaticBuffers
+from graphs import BufferSpec, StaticBuffers
 from graphs.runner_helpers import slice_rows
 
-from .compile_policy import compile_step
 from .decode_graphs import (
     GraphConfig,
     RowInput,
+    bucket_runners,
     cache_slots,
     check_config,
     check_row_specs,
@@ -96,21 +96,9 @@ class VerifyGraphs:
         self.config = config
         self.device = torch.device(device)
         self.check_slots = check_slots
-        use_graph = self.device.type == "cuda" and not config.disable_cuda_graph
-        compiled = compile_step(step_fn) if config.enable_torch_compile else None
         keys = [VerifyKey(bs, k, kv) for bs, kv in self.policy.keys() for k in self.draft_lens
                 if kv_bucket_reachable(config, self.policy, bs, kv)]
-        fallback = compiled or step_fn
-        self.runners: list[GraphRunner] = []
-        # as DecodeGraphs: buckets above torch_compile_max_bs run the eager step (still captured on CUDA)
-        for group, fn in (([key for key in keys if key.bs <= config.torch_compile_max_bs], compiled),
-                          ([key for key in keys if key.bs > config.torch_compile_max_bs], None)):
-            if group:
-                self.runners.append(GraphRunner(
-                    fn or step_fn, make_buffers=self._make_buffers, keys=group, device=self.device,
-                    use_cuda_graph=use_graph, fallback_fn=lambda i, p: fallback(i, p),
-                    warmup_iters=config.warmup_iters or (2 if use_graph else 1), progress=config.progress,
-                    eager_fn=step_fn if fn is not None and config.measure_compile else None))
+        self.runners = bucket_runners(step_fn, step_fn, keys, config, self.device, self._make_buffers)
         self._runner_of = {key: r for r in self.runners for key in r.keys}
         self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
 
