@@ -30,7 +30,7 @@ import contextlib
 import torch
 
 from .kv_dtype import compute_dtype, dequantize
-from .merge import apply_sinks
+from .merge import apply_sinks, merge_two
 from .opaque import opaque_op
 
 _aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -85,18 +85,6 @@ def _runs(q_start: list[int], k_count: list[int]) -> list[tuple[int, int]]:
         runs.append((i, j))
         i = j
     return runs
-
-
-def _merge(o_a, lse_a, o_b, lse_b):
-    """Two normalised partial softmaxes of the same rows -> one (log-sum-exp rule); a row with no key on either
-    side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]. One pass over the outputs (``lerp``): on a
-    shared 2-core machine every large elementwise op is a parallel region that can stall on a descheduled thread,
-    so the weights are computed on the small ``lse`` tensors."""
-    m = torch.maximum(lse_a, lse_b).clamp_min(torch.finfo(torch.float32).min)  # finite: no inf - inf
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    den = w_a + w_b
-    o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None])
-    return o, m + torch.log(den)
 
 
 @opaque_op
@@ -244,7 +232,7 @@ def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float):
     if not prefix:
         return o, lse
     o_p, lse_p = flash(_fold(q_tile, hkv), k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-    return _merge(o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q), o, lse)
+    return merge_two(o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q), o, lse)
 
 
 def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> int:
@@ -279,7 +267,7 @@ def _visible(first: int, n_q: int, n_k: int, causal: bool, window: int) -> torch
 
 def _accumulate(acc, o, lse):
     o = o.float()  # a half-precision kernel's spans are merged in float32
-    return (o, lse) if acc is None else _merge(acc[0], acc[1], o, lse)
+    return (o, lse) if acc is None else merge_two(acc[0], acc[1], o, lse)
 
 
 @torch.library.register_fake(ragged_tile_flash)

@@ -40,6 +40,7 @@ from .decode import (
 )
 from .decode_flash import one_call_fits
 from .kv_dtype import compute_dtype, dequantize
+from .merge import merge_two
 from .metadata import DecodeInputs
 from .opaque import opaque_op
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
@@ -350,10 +351,7 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             if c0 == 0:
                 o[b], lse[b] = o_c[0], lse_c[0]
                 continue
-            m = torch.maximum(lse[b], lse_c[0])
-            wa, wc = torch.exp(lse[b] - m), torch.exp(lse_c[0] - m)
-            o[b] = (o[b] * wa[..., None] + o_c[0].float() * wc[..., None]) / (wa + wc)[..., None]
-            lse[b] = m + torch.log(wa + wc)
+            o[b], lse[b] = merge_two(o[b], lse[b], o_c[0].float(), lse_c[0])
     return o, lse
 
 

@@ -77,6 +77,20 @@ def test_matches_reference(prefix, tree, cpu_flash):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
+def test_prefix_read_in_several_chunks(monkeypatch):
+    """``verify_flash`` reads a long prefix in chunks merged by their log-sum-exp: with chunks of a few keys (so
+    every prefix spans several) the result still equals the float64 reference."""
+    import compiled_attn.verify as verify
+
+    monkeypatch.setattr(verify, "VERIFY_CHUNK_BYTES", 2 * 16 * 4 * 8)  # 8 keys of 2 KV heads x 16 per chunk
+    k = 4
+    b, prefix = _case([5, 0, 130, 64, 1], k, hq=8, hkv=2)
+    masks = random_trees(len(prefix), k, torch.Generator().manual_seed(3))
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("prefix", [0, 300])
 def test_single_request_prefix_reads_its_slots(prefix):
     """A batch of one indexed on the host: the prefix is read through its slots (one gather, one kernel call), the
