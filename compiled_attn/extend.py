@@ -66,6 +66,26 @@ class ExtendTileInputs(NamedTuple):
         return cls(*(tensors[name] for name in cls._fields))
 
 
+#: the [P] fields of ``ExtendTileInputs`` (the other two are the tile-size aranges)
+PAIR_FIELDS = ExtendTileInputs._fields[:7]
+
+
+def pad_pairs(inputs: ExtendTileInputs, capacity: int, num_tokens: int) -> ExtendTileInputs:
+    """The pair list padded to ``capacity`` pairs (a bucket): padded pairs have no query and no key, and their
+    first query index is ``num_tokens``, past the batch."""
+    n = inputs.pair_row.shape[0]
+    if capacity == n:
+        return inputs
+
+    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:
+        out = t.new_full((capacity,), fill)
+        out[:n] = t
+        return out
+
+    return inputs._replace(**{name: pad(getattr(inputs, name), num_tokens if name == "q_start" else 0)
+                              for name in PAIR_FIELDS})
+
+
 @dataclass
 class ExtendTilePlan:
     """A planned tiled extend batch: its step inputs and what the host knows about it.
@@ -147,16 +167,10 @@ def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_t
     p = q_first[q_req] + torch.arange(q_req.shape[0]) - torch.repeat_interleave(torch.cumsum(q_len, 0) - q_len, q_len)
     vlo, vhi = _visible_range(p, kv_len[q_req], causal, window)
 
-    def pad(t, fill=0):
-        out = torch.full((cap,), fill, dtype=t.dtype)
-        out[:needed] = t
-        return out.to(dev)
-
     inputs = ExtendTileInputs(
-        pair_row=pad(req_rows[req]), kv_start=pad(kv_lo[req] + k0), k_count=pad(kc),
-        q_start=pad(q_offsets[req] + i0[pair_tile], fill=num_tokens), q_count=pad(qc[pair_tile]),
-        q_rel=pad(p_lo - k0), full=pad(full, fill=False),
-        q_ids=torch.arange(tile_q, device=dev), k_ids=torch.arange(tile_k, device=dev))
+        pair_row=req_rows[req], kv_start=kv_lo[req] + k0, k_count=kc, q_start=q_offsets[req] + i0[pair_tile],
+        q_count=qc[pair_tile], q_rel=p_lo - k0, full=full, q_ids=torch.arange(tile_q), k_ids=torch.arange(tile_k))
+    inputs = ExtendTileInputs(*(t.to(dev) for t in pad_pairs(inputs, cap, num_tokens)))
     return ExtendTilePlan(
         inputs, causal=causal, sliding_window=window, num_tokens=num_tokens, pairs_needed=needed,
         useful_qk=int((vhi - vlo + 1).clamp_min(0).sum()), computed_qk=int((qc[pair_tile] * kc).sum()))

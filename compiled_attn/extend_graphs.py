@@ -27,12 +27,9 @@ from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
 
 from .compile_policy import compile_step
 from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, table_width
-from .extend import ExtendTileInputs, default_tile_q, plan_extend_tiles
+from .extend import PAIR_FIELDS, ExtendTileInputs, default_tile_q, pad_pairs, plan_extend_tiles
 from .metadata import ExtendInputs, ExtendMetadata
 from .plan import normalize_window
-
-#: the [P] fields of ``ExtendTileInputs`` (the other two are the tile-size aranges)
-PAIR_FIELDS = ExtendTileInputs._fields[:7]
 
 
 class ExtendKey(NamedTuple):
@@ -120,22 +117,6 @@ def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None 
     inputs = ExtendInputs(*(t.to(device) for t in inputs))
     return ExtendMetadata(inputs, causal=causal, sliding_window=window, num_real=int(ext.shape[0]),
                           num_tokens=int(ext.sum()))
-
-
-def pad_pairs(inputs: ExtendTileInputs, capacity: int, num_tokens: int) -> ExtendTileInputs:
-    """The pair list padded to ``capacity`` pairs the way ``plan_extend_tiles`` pads it (no query, no key; the
-    first query index past the batch)."""
-    n = inputs.pair_row.shape[0]
-    if capacity == n:
-        return inputs
-
-    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:
-        out = t.new_full((capacity,), fill)
-        out[:n] = t
-        return out
-
-    return inputs._replace(**{name: pad(getattr(inputs, name), num_tokens if name == "q_start" else 0)
-                              for name in PAIR_FIELDS})
 
 
 class ExtendGraphs:
