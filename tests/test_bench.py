@@ -2,6 +2,7 @@
 (the compiled backend's first decode after warm-up is within 1.5x of its median, per bucket)."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,18 @@ def _run(tmp_path, *argv):
     path = tmp_path / "out.json"
     rc = bench.main([*argv, "--json", str(path), "--quiet", "--no-malloc-tuning"])
     return rc, json.loads(path.read_text())
+
+
+def _run_in_process_of_its_own(tmp_path, *argv):
+    """The bench as users run it, with its malloc tuning (process-wide, so in a child process of its own): without
+    it glibc raises its mmap threshold step by step as large buffers are freed, and the first steps after warm-up
+    page-fault more (once 14.9, 12.3, 10.7, 10.5, 9.6 ms), which a first-step/median check would blame on the code."""
+    path = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture does in this process
+    proc = subprocess.run([sys.executable, "-m", "compiled_attn.bench.latency", *argv, "--json", str(path),
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode, json.loads(path.read_text())
 
 
 def test_json_has_every_field(tmp_path, capsys):
@@ -97,14 +110,12 @@ def test_torch_trace_has_decode_and_layer_ranges(tmp_path):
     assert not any(n.startswith("prefill_step") for n in names)  # the trace covers the decode steps only
 
 
-def test_compiled_first_decode_within_2x_of_median_per_bucket(tmp_path):
-    """Buckets [1, 4]: after warm-up, no decode step compiles (counted exactly), and the first step of each bucket
-    is within 2x of the median (a compile at the first request would be seconds against milliseconds). A
-    real-shape model (deepseek-v2-lite, 1 layer) so a step is milliseconds, not Python noise. 2x, not less: the
-    tests run without the bench's malloc tuning, and glibc then raises its mmap threshold step by step as large
-    buffers are freed, so the first few steps page-fault more (one full-suite run: 14.9, 12.3, 10.7, 10.5, 9.6 ms)."""
-    rc, out = _run(tmp_path, "--model", "deepseek-v2-lite", "--layers", "1", "--batch-size", "1", "4",
-                   "--input-len", "64", "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4")
+def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
+    """Buckets [1, 4]: after warm-up, no decode step compiles, and the first step of each bucket is within 1.5x
+    of the median. A real-shape model (deepseek-v2-lite, 1 layer) so a step is milliseconds, not Python noise."""
+    rc, out = _run_in_process_of_its_own(
+        tmp_path, "--model", "deepseek-v2-lite", "--layers", "1", "--batch-size", "1", "4", "--input-len", "64",
+        "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4")
     assert rc == 0
     res = out["backends"]["compiled"]
     assert res["setup"]["buckets"] == 3  # (1, 256), (4, 256), (4, 512): one request never needs 512 tokens
@@ -112,7 +123,7 @@ def test_compiled_first_decode_within_2x_of_median_per_bucket(tmp_path):
     for bs, bucket in (("1", "1x256"), ("4", "4x512")):  # 77 tokens = 2 blocks of 64 per request
         r = res["results"][bs]
         assert r["decode_buckets"] == [bucket] * 12
-        assert r["first_over_median"] <= 2.0, (bs, r["decode_latencies_s"])
+        assert r["first_over_median"] <= 1.5, (bs, r["decode_latencies_s"])
     stats = res["setup"]["graph_stats"]
     assert sum(s["fallbacks"] for s in stats) == 0
     assert sum(s["replays"] for s in stats) == 24
