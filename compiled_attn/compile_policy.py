@@ -5,8 +5,8 @@
   then captured or replayed at its static shape. A static compile costs seconds *per bucket* and its kernels ran
   no faster (docs/performance.md), so per-bucket static compiles would turn a 30-bucket warm-up into minutes.
   ``dynamic=False`` stays available for experiments.
-- Floats are specialized (``specialize_float``): they are constants of a model, and tracing them as symbols cost a
-  restarted trace.
+- Floats and ints are specialized (``specialize_float``, ``specialize_int``): they are constants of a model
+  (softmax scale, page size); a symbolic float cost a restarted trace, a symbolic int slower kernels.
 - The recompile limit is raised deliberately: the default of 8 per function would make the ninth bucket raise
   ``FailOnRecompileLimitHit`` under ``fullgraph=True``.
 """
@@ -32,6 +32,10 @@ def configure_dynamo(recompile_limit: int = DEFAULT_RECOMPILE_LIMIT) -> None:
     # op cannot be made a tensor, and dynamo restarts the whole trace to specialize it (a second tracing pass:
     # ~4 s of a 4-layer decode step's 9 s compile, on every start, warm restarts included)
     cfg.specialize_float = True
+    # so are the ints a step reads (page size, block size, head counts): dynamic=True otherwise traces every int
+    # argument, attribute and closure cell as a symbol, and a symbolic page size made each K/V index of the fused
+    # decode kernel a symbolic division (5x slower). Sizes still come from tensor shapes, symbolic as before.
+    cfg.specialize_int = True
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7; keep both for torch >= 2.6
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), recompile_limit))

@@ -7,11 +7,13 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Two forms compute the blocks. On CPU (one head size, no soft-cap) the opaque op ``decode_flash`` runs them
-through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded into one
-call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host
-to skip a bucket's padding. Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512;
-soft-capped models) the matmul form below runs.
+Three forms compute the blocks. On CPU, eagerly (one head size, no soft-cap), the opaque op ``decode_flash``
+runs them through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded
+into one call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on
+the host to skip a bucket's padding. On CPU under ``torch.compile`` (one head size, separate K and V caches)
+``decode_fused.fused_block_partials`` reads K/V in place through the block table, with no gathered copy.
+Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512; soft-capped models eagerly) the
+matmul form below runs.
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
 """
@@ -26,6 +28,7 @@ from graphs import cdiv
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
+from .decode_fused import fused_block_partials
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -202,6 +205,7 @@ def decode_blocks(
     *,
     v_shares_k: bool = False,
     cpu_flash: bool | None = None,
+    fused: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -214,8 +218,12 @@ def decode_blocks(
     sinks: [Hq] attention sinks (gpt-oss): a learned logit per head that joins each row's softmax denominator
         (``exp(sink)`` beside the keys' ``exp(score)``) with no value, so a row can attend to "nothing"
     cpu_flash: per-block attention through ATen's CPU flash kernel (``decode_flash``) rather than the matmul form;
-        None picks it wherever it applies (CPU, one head size, no soft-cap). The choice follows shapes, dtypes and
-        the device, never tensor values.
+        None picks it wherever it applies (CPU, one head size, no soft-cap) unless the fused form is picked.
+    fused: the blocks read K/V in place (``decode_fused``; any head sizes, soft-cap, V read from ``v_cache`` even
+        when it shares K's rows); None picks it while compiling for a CPU, for one head size and V a cache of its
+        own (MLA's latent, read twice this way, measured no faster than the matmul form). Eagerly it is correct
+        but materialises a copy of all K and V.
+    The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
     dtype or float8 hands the CPU flash kernel half-precision tiles, which it accumulates in float32); a row with
     no keys gives zeros.
@@ -226,6 +234,17 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
+    if fused is None:
+        fused = (cpu_flash is None and torch.compiler.is_compiling() and q.device.type == "cpu"
+                 and not v_shares_k and dqk == dv)
+    if fused:
+        if cpu_flash:
+            raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
+        qb = _block_queries(q, index, hkv) * scale
+        m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs, index.valid, index.unit, logit_cap,
+                                          k_scale, v_scale)
+        out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
+        return out.reshape(bs, hq, dv).to(q.dtype)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash is None:
         cpu_flash = flash_fits

@@ -1,6 +1,7 @@
-"""The two decode forms: ATen's CPU flash kernel over chunked gathers (``block_flash``, the CPU default) and the
-matmul form (what CUDA runs; tested here on CPU as its twin). Both against the float64 reference, the chunking
-against a plain per-block softmax, and the automatic choice."""
+"""The three decode forms: ATen's CPU flash kernel over chunked gathers (``block_flash``, the CPU eager default),
+the fused in-place reads (``decode_fused``, the CPU compiled default; tested eagerly as its twin too) and the matmul
+form (what CUDA runs; tested here on CPU as its twin). All against the float64 reference, the chunking against a
+plain per-block softmax, and the automatic choice."""
 import math
 
 import pytest
@@ -45,12 +46,12 @@ def _reference(b, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])  # MHA, GQA, MQA
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_both_forms_match_reference(cpu_flash, heads, dtype):
+@pytest.mark.parametrize("form", [{"cpu_flash": True}, {"cpu_flash": False}, {"fused": True}])
+def test_every_form_matches_reference(form, heads, dtype):
     hq, hkv = heads
     b = _batch(hq, hkv, dtype, seed=3)
     # spare blocks past the batch's need, as in a captured bucket: they must not leak into any row
-    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=40), 0.3, cpu_flash=cpu_flash)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=40), 0.3, **form)
     assert out.dtype == dtype and out.shape == (len(LENS), hq, 32)
     err = (out.double() - _reference(b, 0.3)).abs().max().item()
     assert err <= TOL[dtype], f"max abs error {err}"
@@ -156,6 +157,8 @@ def test_automatic_choice():
     b = make_batch([9, 3], hq=4, hkv=2, dqk=16, decode=True)
     with pytest.raises(ValueError, match="cpu_flash=True needs .*logit_cap"):
         decode_blocks(b.q, b.k_cache, b.v_cache, _index(b), 0.3, logit_cap=5.0, cpu_flash=True)
+    with pytest.raises(ValueError, match="fused=True and cpu_flash=True"):
+        decode_blocks(b.q, b.k_cache, b.v_cache, _index(b), 0.3, cpu_flash=True, fused=True)
 
 
 @pytest.mark.parametrize("cpu_flash", [None, False])
@@ -172,6 +175,35 @@ def test_both_forms_compile_fullgraph(cpu_flash):
         meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16)
         out = fn(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
         assert (out.double() - _reference(b, 0.3)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("cpu_flash", [None, True])
+def test_compiled_cpu_decode_reads_the_cache_in_place(cpu_flash, page_size):
+    """Under ``torch.compile`` on CPU the default form is the fused one: the traced graph reads the cache through
+    the stored block table (``index_columns``) and calls no flash op; ``cpu_flash=True`` still asks for the flash
+    op. Both match the float64 reference."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    b = make_batch([5, 70, 130], hq=8, hkv=2, dqk=32, decode=True, seed=4, page_size=page_size)
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16,
+                       page_size=page_size)
+
+    def step(q, k_cache, v_cache, table, inputs):
+        return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), 0.3,
+                             cpu_flash=cpu_flash)
+
+    out = torch.compile(step, backend=counter, fullgraph=True)(b.q, b.k_cache, b.v_cache, b.req_to_token,
+                                                                meta.inputs)
+    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    fused = cpu_flash is None
+    assert (torch.ops.compiled_attn.index_columns.default in targets) == fused
+    assert (torch.ops.compiled_attn.decode_flash.default in targets) == (not fused)
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -38,10 +38,14 @@ def _poison_unread(b, lo, hi, page_size):
             cache[~read] = float("nan")
 
 
+#: the three decode forms (``decode.decode_blocks``): CPU flash kernel, matmul, fused in-place reads (its eager twin)
+FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 @pytest.mark.parametrize("block_size", [64, 48, 16])
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_paged_decode_matches_reference(page_size, block_size, cpu_flash):
+@pytest.mark.parametrize("form", FORMS)
+def test_paged_decode_matches_reference(page_size, block_size, form):
     lens = [1, 17, 64, 200, 300, 129]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, page_size=page_size, seed=page_size + block_size)
     _poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
@@ -49,7 +53,7 @@ def test_paged_decode_matches_reference(page_size, block_size, cpu_flash):
                        page_size=page_size)
     index = build_decode_index(b.req_to_token, meta.inputs, page_size)
     assert index.unit == math.gcd(page_size, block_size)
-    out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 32 ** -0.5, cpu_flash=cpu_flash)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 32 ** -0.5, **FORMS[form])
     torch.testing.assert_close(out.double(), _reference(b), atol=1e-5, rtol=1e-5)
 
 
@@ -83,9 +87,9 @@ def test_paged_decode_random_tables(page_size, block_size, lens, window, seed):
     b = make_batch(lens, hq=4, hkv=2, dqk=16, decode=True, page_size=page_size, seed=seed)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        page_size=page_size, sliding_window=window)
-    for flash in (True, False):
+    for form in FORMS.values():
         out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size),
-                            16 ** -0.5, cpu_flash=flash)
+                            16 ** -0.5, **form)
         torch.testing.assert_close(out.double(), _reference(b, sliding_window=window), atol=1e-5, rtol=1e-5)
 
 
@@ -103,16 +107,25 @@ def test_fp8_cache_with_scales(kv_dtype, q_dtype, page_size):
                            k_scale=ks, v_scale=vs)
     assert out.dtype == q_dtype
     tol = 1e-4 if q_dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), _reference(b, k_scale=ks, v_scale=vs), atol=tol * vs, rtol=tol)
+    ref = _reference(b, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.double(), ref, atol=tol * vs, rtol=tol)
+    # the fused form dequantises in its loads, and computes in float32 whatever the query's dtype
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, page_size=page_size)
+    fused = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size),
+                          32 ** -0.5, fused=True, k_scale=ks, v_scale=vs)
+    assert fused.dtype == q_dtype
+    torch.testing.assert_close(fused.double(), ref, atol=tol * vs, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
-def test_fp8_and_half_cache_matmul_form(kv_dtype):
-    """The matmul form (soft-capped models, MLA, CUDA) dequantises in its gather too."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_and_half_cache_matmul_and_fused_forms(kv_dtype, fused):
+    """The matmul form (soft-capped models, MLA, CUDA) dequantises in its gather too, and the fused form in its
+    loads; both with a soft-cap."""
     b = make_batch([40, 129], hq=4, hkv=2, dqk=16, decode=True, kv_dtype=kv_dtype)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25, 30.0,
-                        k_scale=0.5, v_scale=None)
+                        k_scale=0.5, v_scale=None, fused=fused)
     ref = _reference(b, k_scale=0.5, scale=0.25, logit_cap=30.0)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 

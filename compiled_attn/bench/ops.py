@@ -85,6 +85,12 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     kv_scale = 0.5 if kv_dtype in FP8_DTYPES else None
     meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, page_size=page_size)
     args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla, page_size, kv_scale)
+    # as a ``DecodeGraphs`` bucket compiles it (``graphs.runner_helpers.mark_fixed_dims``): the cache, the table and
+    # the head sizes static, the batch and block counts symbolic
+    for t in (k_cache, v_cache, table, meta.inputs.block_offsets):
+        torch._dynamo.mark_static(t)
+    for dim in (1, 2):
+        torch._dynamo.mark_static(q, dim)
     compiled = compile_step(_decode_step)
 
     def loop():

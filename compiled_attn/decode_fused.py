@@ -1,0 +1,74 @@
+"""Decode attention as one fused pass over the cache, for ``torch.compile`` on CPU: each block's K/V rows are read
+straight from the cache through the block table (an indirect load inside inductor's kernel), never gathered into
+a copy first.
+
+Why: on CPU the decode is bound by moving K/V. The eager forms gather each block's rows into a tile and then run
+a kernel over the tile, so every byte is read, written and read again, and with 64-token blocks the flash
+kernel's per-call set-up outweighs its tiny GEMMs. Written as products and reductions over the indexed cache,
+inductor's C++ backend emits loops that load each K and V row from where it lies and convert bf16/fp16/float8 to
+float32 in registers. Eagerly the same code materialises every intermediate (a copy of all of K), so
+``decode.decode_blocks`` picks it only while compiling for a CPU; eager calls are for tests.
+
+Pure tensor code: no ``.item()``, no host sync, no value-dependent branch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .opaque import opaque_op
+
+
+def fused_block_partials(qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                         valid: torch.Tensor, unit: int, logit_cap: float | None = None,
+                         k_scale: float | None = None, v_scale: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block's partial softmax over its keys, reading K/V in place.
+
+    qb: [nblk, Hkv, group, D] float32, already scaled; k_cache, v_cache: [num_slots, Hkv, D] (any
+    ``kv_dtype.KV_DTYPES``; float8 read as ``stored * scale``); runs: [nblk, block_size // unit] int64
+    (``DecodeIndex.runs``: slots when ``unit`` is 1, else runs of ``unit`` consecutive slots); valid:
+    [nblk, block_size] bool.
+    returns m, lsum: [nblk, Hkv, group] float32 (block max and sum of exp; the lowest float32 and 0 for a block
+    with no valid key) and o: [nblk, Hkv, group, D] float32, unnormalised (``decode.merge_blocks``' inputs).
+    """
+    nblk, block_size = valid.shape
+    # The index as a stored buffer, column-major. Stored: else inductor folds the block table's whole computation
+    # into every load (5x slower). Column-major: with a row-major index read per position, inductor vectorised the
+    # value reduction over positions, one scalar load per element (5x slower); this way it runs over the head dim,
+    # which is contiguous in the cache.
+    runs = index_columns(runs).t()
+    k = _rows(k_cache, runs, unit, k_scale).reshape(nblk, block_size, *k_cache.shape[1:])
+    v = _rows(v_cache, runs, unit, v_scale).reshape(nblk, block_size, *v_cache.shape[1:])
+    keep = valid[:, :, None, None]
+    if unit > 1:  # a page's tail past its request's end was never written for it (NaN survives 0 * x)
+        v = torch.where(keep, v, 0.0)
+    s = (qb[:, :, :, None, :] * k.permute(0, 2, 1, 3)[:, :, None]).sum(-1)  # [nblk, Hkv, group, block_size]
+    if logit_cap is not None:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    keep = valid[:, None, None, :]
+    s = torch.where(keep, s, torch.finfo(torch.float32).min)  # select, never add: a NaN score is replaced
+    m = s.amax(-1)
+    p = torch.where(keep, torch.exp(s - m[..., None]), 0.0)
+    o = (p[..., None] * v.permute(0, 2, 1, 3)[:, :, None]).sum(-2)  # [nblk, Hkv, group, D]
+    return m, p.sum(-1), o
+
+
+def _rows(cache: torch.Tensor, runs: torch.Tensor, unit: int, scale: float | None) -> torch.Tensor:
+    """The rows of ``unit``-slot runs ``runs`` as float32 times ``scale``: an indexing expression that inductor
+    folds into its consumers' loads. -> [*runs.shape, unit, H, D]."""
+    s, h, d = cache.shape
+    rows = cache[: s - s % unit].view(-1, unit, h, d)[runs].float()
+    return rows if scale is None or scale == 1.0 else rows * scale
+
+
+@opaque_op
+def index_columns(index: torch.Tensor) -> torch.Tensor:
+    """A 2-D index transposed into a new contiguous tensor ([a, b] -> [b, a]). An op of its own so that inductor
+    reads it as a stored buffer in that layout instead of folding the transpose (or the index's computation) into
+    the loads that use it."""
+    return index.t().clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(index_columns)
+def _index_columns_fake(index):
+    return index.new_empty(index.shape[1], index.shape[0])
