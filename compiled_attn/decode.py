@@ -28,7 +28,7 @@ from graphs import cdiv
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
-from .decode_fused import fused_block_partials
+from .decode_fused import block_queries, fused_block_partials, grouped_queries
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -240,7 +240,7 @@ def decode_blocks(
     if fused:
         if cpu_flash:
             raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
-        qb = _block_queries(q, index, hkv) * scale
+        qb = block_queries(q, index.block_req, hkv, scale)
         m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs, index.valid, index.unit, logit_cap,
                                           k_scale, v_scale)
         out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
@@ -255,7 +255,7 @@ def decode_blocks(
         return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale, sinks_by_kv_head(sinks, hkv, hq))
     nblk, block_size = index.slots.shape
     flat = index.slots.reshape(-1)
-    qb = _block_queries(q, index, hkv) * scale
+    qb = grouped_queries(q, index.block_req, hkv) * scale
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
     # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched
@@ -289,14 +289,6 @@ def sinks_by_kv_head(sinks: torch.Tensor | None, hkv: int, hq: int) -> torch.Ten
     if not torch.compiler.is_compiling():
         validate.check_sinks(sinks, hq)
     return sinks.float().reshape(hkv, hq // hkv)
-
-
-def _block_queries(q: torch.Tensor, index: DecodeIndex, hkv: int, dtype: torch.dtype = torch.float32
-                   ) -> torch.Tensor:
-    """Each block's queries, grouped by KV head: q [bs, Hq, D] -> [nblk, Hkv, Hq // Hkv, D] in ``dtype``."""
-    bs, hq, d = q.shape
-    req = index.block_req.clamp_max(bs - 1)
-    return q.index_select(0, req).view(-1, hkv, hq // hkv, d).to(dtype)
 
 
 def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,

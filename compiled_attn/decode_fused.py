@@ -61,6 +61,29 @@ def _rows(cache: torch.Tensor, runs: torch.Tensor, unit: int, scale: float | Non
     return rows if scale is None or scale == 1.0 else rows * scale
 
 
+def grouped_queries(q: torch.Tensor, block_req: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Each block's queries grouped by KV head (GQA never expands K/V): q [bs, Hq, D], block_req [nblk] (``bs`` for
+    unused blocks, which read the last row) -> [nblk, Hkv, Hq // Hkv, D] float32, a new tensor."""
+    bs, hq, d = q.shape
+    return q.index_select(0, block_req.clamp_max(bs - 1)).view(-1, num_kv_heads, hq // num_kv_heads, d).float()
+
+
+@opaque_op
+def block_queries(q: torch.Tensor, block_req: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """Each block's queries, scaled, grouped by KV head: q [bs, Hq, D] (any float dtype) and block_req [nblk]
+    (``bs`` for unused blocks) -> [nblk, Hkv, Hq // Hkv, D] float32. An op of its own so that the fused kernel
+    starts from a stored buffer: with q's producers (rotary embedding, projections) folded in, every layer of a
+    model compiled its own variant of the attention kernel, one C++ compile each (cold start +10 s for 4 layers);
+    this way the layers share one."""
+    return grouped_queries(q, block_req, num_kv_heads).mul_(scale)
+
+
+@torch.library.register_fake(block_queries)
+def _block_queries_fake(q, block_req, num_kv_heads, scale):
+    return q.new_empty((block_req.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2]),
+                       dtype=torch.float32)
+
+
 @opaque_op
 def index_columns(index: torch.Tensor) -> torch.Tensor:
     """A 2-D index transposed into a new contiguous tensor ([a, b] -> [b, a]). An op of its own so that inductor
