@@ -73,8 +73,8 @@ def block_queries(q: torch.Tensor, block_req: torch.Tensor, num_kv_heads: int, s
     """Each block's queries, scaled, grouped by KV head: q [bs, Hq, D] (any float dtype) and block_req [nblk]
     (``bs`` for unused blocks) -> [nblk, Hkv, Hq // Hkv, D] float32. An op of its own so that the fused kernel
     starts from a stored buffer: with q's producers (rotary embedding, projections) folded in, every layer of a
-    model compiled its own variant of the attention kernel, one C++ compile each (cold start +10 s for 4 layers);
-    this way the layers share one."""
+    model compiled its own variant of the attention kernel, one C++ compile of seconds each at a cold start; this
+    way the layers share one."""
     return grouped_queries(q, block_req, num_kv_heads).mul_(scale)
 
 
