@@ -12,7 +12,6 @@ batch's real lengths, not the table width. The switches mean what they mean in S
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -81,32 +80,23 @@ class GraphConfig:
     def __post_init__(self):
         # every field checked here, so a bad value names itself instead of failing inside the bucket maths
         for name in ("max_batch_size", "max_kv_tokens", "torch_compile_max_bs", "block_size", "min_kv_tokens"):
-            _check_int(name, getattr(self, name), 1)
+            validate.check_positive_int(f"GraphConfig.{name}", getattr(self, name))
         for name in ("max_context_len", "warmup_iters"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
-        if isinstance(self.kv_growth, bool) or not isinstance(self.kv_growth, (int, float)) \
-                or not math.isfinite(self.kv_growth) or self.kv_growth <= 1:
-            raise ValueError(f"GraphConfig.kv_growth must be a finite number > 1, got {self.kv_growth!r}")
+                validate.check_positive_int(f"GraphConfig.{name}", getattr(self, name))
+        validate.check_growth("GraphConfig.kv_growth", self.kv_growth)
         if self.cuda_graph_bs is not None:
             if isinstance(self.cuda_graph_bs, (str, bytes)) or not isinstance(self.cuda_graph_bs, Sequence) \
                     or not self.cuda_graph_bs:
                 raise ValueError(f"GraphConfig.cuda_graph_bs must be a non-empty list of ints >= 1, "
                                  f"got {self.cuda_graph_bs!r}")
             for b in self.cuda_graph_bs:
-                _check_int("cuda_graph_bs entry", b, 1)
+                validate.check_positive_int("GraphConfig.cuda_graph_bs entry", b)
 
     def policy(self) -> BucketPolicy:
         return BucketPolicy.create(self.max_batch_size, self.max_kv_tokens, batch_sizes=self.cuda_graph_bs,
                                    min_kv_tokens=max(self.min_kv_tokens, self.block_size),
                                    kv_growth=self.kv_growth)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"GraphConfig.{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"GraphConfig.{name} must be >= {minimum}, got {value}")
 
 
 def check_config(config: GraphConfig) -> BucketPolicy:

@@ -16,7 +16,6 @@ token over a 4k-token prefix needs 64 pairs of 64 keys; 64 new tokens of a fresh
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,6 +24,7 @@ import torch
 
 from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
 
+from . import validate
 from .compile_policy import compile_step
 from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, table_width
 from .extend import PAIR_FIELDS, ExtendTileInputs, default_tile_q, pad_pairs, plan_extend_tiles
@@ -74,15 +74,12 @@ class ExtendGraphConfig:
 
     def __post_init__(self):
         for name in ("max_tokens", "min_tokens", "min_pairs", "max_requests", "tile_k", "measure_iters"):
-            _check_int(name, getattr(self, name))
+            validate.check_positive_int(f"ExtendGraphConfig.{name}", getattr(self, name))
         for name in ("max_pairs", "max_context_len", "tile_q", "warmup_iters"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name))
+                validate.check_positive_int(f"ExtendGraphConfig.{name}", getattr(self, name))
         for name in ("token_growth", "pair_growth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 1:
-                raise ValueError(f"ExtendGraphConfig.{name} must be a finite number > 1, got {value!r}")
+            validate.check_growth(f"ExtendGraphConfig.{name}", getattr(self, name))
 
     def pair_bound(self, num_tokens: int, tile_q: int) -> int:
         """The most pairs a batch of ``num_tokens`` new tokens can need: its query tiles (fewer than
@@ -91,13 +88,6 @@ class ExtendGraphConfig:
         context = self.max_context_len or self.max_tokens
         query_tiles = cdiv(num_tokens, tile_q) + min(num_tokens, self.max_requests)
         return query_tiles * (cdiv(context, self.tile_k) + 1)
-
-
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"ExtendGraphConfig.{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"ExtendGraphConfig.{name} must be >= 1, got {value}")
 
 
 def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None = None, *, causal: bool = True,

@@ -122,6 +122,13 @@ def check_positive_int(name: str, value) -> int:
     return value
 
 
+def check_growth(name: str, value) -> float:
+    """A bucket growth factor: a finite real number > 1 (a bool is refused); ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
+        raise ValueError(f"{name} must be a finite number > 1, got {value!r}")
+    return float(value)
+
+
 def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                 num_slots: int) -> None:
     """Every entry a batch reads, positions ``[lo[i], hi[i])`` of row ``rows[i]``, must be a slot in
