@@ -300,17 +300,16 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv = k_cache.shape[1]
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     compiling = torch.compiler.is_compiling()
+    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
     if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
         o = single_request_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.single, scale,
-                                 block_size, 1.0 if k_scale is None else k_scale,
-                                 1.0 if v_scale is None else v_scale, sinks)
+                                 block_size, *scales, sinks)
         if o is not None:
             return o.reshape(bs, hq, d).to(q.dtype)
     # eager: the op's body directly (the op's dispatch cost is a short request's kernel call)
     run = decode_flash if compiling else decode_flash_eager
     o = run(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
-            index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit,
-            1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
+            index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit, *scales, sinks)
     return o.reshape(bs, hq, d).to(q.dtype)
 
 
