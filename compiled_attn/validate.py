@@ -123,7 +123,7 @@ def check_positive_int(name: str, value) -> int:
 
 
 def check_growth(name: str, value) -> float:
-    """A bucket growth factor: a finite real number > 1 (a bool is refused); ValueError naming ``name``."""
+    """A bucket growth factor: an int or float, finite and > 1 (a bool is refused); ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
         raise ValueError(f"{name} must be a finite number > 1, got {value!r}")
     return float(value)
