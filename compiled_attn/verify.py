@@ -11,11 +11,15 @@ request: the queries are grouped ``[Hkv, k * group, D]`` against one K block (GQ
 rows). The ``k`` draft keys form one extra tiny "draft block" per request, masked by the chain/tree, and the
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
-Two forms, as decode: on CPU (one head size, no soft-cap) ``verify_flash`` reads each request's prefix in
-chunks of ``VERIFY_CHUNK_BYTES`` of K through ATen's CPU flash kernel with the request's queries as they are (no
-per-block copies of them, no mask, a running log-sum-exp); elsewhere (CUDA, MLA's 576/512, soft-capped models) a
-matmul form over the blocks. The draft block is always a small matmul (``k`` keys). Everything after
-``plan_verify`` is pure tensor code with static shapes per (batch capacity, ``k``, block capacity): no ``.item()``.
+Three forms, as decode. On CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each
+request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
+per-block copies of them, no mask, a running log-sum-exp). Under ``torch.compile`` on CPU (one head size, V a
+cache of its own) and with at most
+``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query heads per KV head), the prefix blocks read
+K/V in place (``decode_fused``, as the compiled decode); with more rows the flash kernel's GEMMs win. Elsewhere
+(CUDA, MLA's 576/512, soft-capped models) a matmul form over the blocks. The draft block is always a small matmul
+(``k`` keys). Everything after ``plan_verify`` is pure tensor code with static shapes per (batch capacity, ``k``,
+block capacity): no ``.item()``.
 
 Custom mask layouts: ``verify_masks``.
 """
@@ -28,7 +32,7 @@ import torch
 
 from . import validate
 from .api import _scale, v_is_prefix_of_k
-from .block_flash import _flash_cpu, _gather_kv, slots_attention, supports_block_flash
+from .block_flash import supports_block_flash
 from .decode import (
     DecodeIndex,
     aligned_kv_lo,
@@ -38,21 +42,20 @@ from .decode import (
     merge_blocks,
     sinks_by_kv_head,
 )
-from .decode_flash import one_call_fits
-from .kv_dtype import compute_dtype, dequantize
-from .merge import merge_two
+from .decode_fused import block_queries, fused_block_partials
+from .kv_dtype import dequantize
 from .metadata import DecodeInputs
-from .opaque import opaque_op
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
+from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
 
 __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "chain_mask",
            "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_blocks"]
 
 _LOWEST = torch.finfo(torch.float32).min
-#: bytes of float32 K per gathered chunk of one request's prefix (``verify_flash``): 512 tokens of llama-3-8b's 8 KV
-#: heads; 1, 2 and 4 MiB measured within 10% of each other (2 MiB best) at bs 1..32, k 4..8, one thread
-VERIFY_CHUNK_BYTES = 2 << 20
+#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads the prefix in place
+#: (``fused``); above it the flash kernel's GEMMs over gathered chunks win
+FUSED_MAX_ROWS = 8
 
 
 class VerifyInputs(NamedTuple):
@@ -195,6 +198,7 @@ def verify_blocks(
     *,
     v_shares_k: bool = False,
     cpu_flash: bool | None = None,
+    fused: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -202,8 +206,10 @@ def verify_blocks(
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
     q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales, sinks
-    ([Hq] attention-sink logits): as ``decode.decode_blocks``. Returns [bs * k, Hq, Dv] in q.dtype; softmax and
-    accumulation in float32.
+    ([Hq] attention-sink logits): as ``decode.decode_blocks``. fused: the prefix blocks read K/V in place
+    (``decode_fused``, as the compiled CPU decode); None picks it while compiling for a CPU, for one head size, V a
+    cache of its own and at most ``FUSED_MAX_ROWS`` query rows per KV head (its work grows with the rows, the
+    flash kernel's GEMMs do not). Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
     hq, hkv, dv = q.shape[1], k_cache.shape[1], v_cache.shape[2]
@@ -211,8 +217,13 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
+    if fused is None:
+        fused = (cpu_flash is None and torch.compiler.is_compiling() and q.device.type == "cpu"
+                 and not v_shares_k and q.shape[2] == dv and k * hq // hkv <= FUSED_MAX_ROWS)
+    if fused and cpu_flash:
+        raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
-    cpu_flash = flash_fits if cpu_flash is None else cpu_flash
+    cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
         raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
     # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
@@ -221,31 +232,21 @@ def verify_blocks(
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:
-        o, lse = _prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
+        o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
-        m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
-                                    v_scale)
+        if fused:
+            prefix = index.prefix
+            qb = block_queries(qg.reshape(bs, -1, qg.shape[3]), prefix.block_req, hkv, scale)
+            m, lsum, o = fused_block_partials(qb, k_cache, v_cache, prefix.runs, prefix.valid, prefix.unit,
+                                              logit_cap, k_scale, v_scale)
+        else:
+            m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
+                                        v_scale)
         rows = torch.arange(bs, device=q.device)
         out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
                            torch.cat([index.prefix.block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
     return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
-
-
-def _prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_scale):
-    """The prefixes through ``verify_flash`` -> (o [bs, Hkv, k * group, D] normalised, lse [bs, Hkv, k * group])."""
-    hkv, d = qg.shape[1], qg.shape[3]
-    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
-    qg = qg.to(compute_dtype(qg.dtype, k_cache.dtype))
-    single = index.single
-    if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
-            and not torch.compiler.is_compiling():
-        # a batch of one indexed on the host: its prefix's slots in one gather and one kernel call, as decode does
-        o, lse = slots_attention(qg, k_cache, v_cache, single, scale, *scales)
-        return o.float(), lse
-    chunk = max(VERIFY_CHUNK_BYTES // (hkv * d * 4) // index.unit, 1) * index.unit
-    return verify_flash(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk, index.unit,
-                        *scales)
 
 
 def _merge_two(o, lse, do, dm, dl, sinks=None):
@@ -315,55 +316,9 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
     return m, p.sum(-1), torch.matmul(p, vd)
 
 
-@opaque_op
-def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
-                 valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int = 1,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's queries over its whole prefix, read in chunks of ``chunk_tokens`` positions.
-
-    q: [bs, Hkv, R, D] in the kernel's dtype (a request's ``k * group`` query rows per KV head); k_cache,
-    v_cache: [num_slots, Hkv, D]; runs, valid, block_req: a ``DecodeIndex`` over ``[0, prefix_len)``'s
-    (``runs``: [nblk, block_size // unit], ``valid``: [nblk, block_size], ``block_req``: [nblk], ``bs`` for unused).
-    returns o: [bs, Hkv, R, D] float32, normalised over the prefix (zeros without one), and lse: [bs, Hkv, R]
-    float32 (the float32 minimum without a prefix, so the merge gives it no weight).
-
-    Why not ``block_flash.block_attention`` over the blocks: every block then carries a copy of its request's ``k *
-    Hq`` query rows and returns as many output rows (a quarter of the K/V bytes at k = 8 with 64-token blocks), and
-    the blocks' outputs are concatenated and merged again. A request's blocks are consecutive and, from position 0,
-    its valid keys one run of positions; so each chunk is one gather and one unmasked kernel call (the last chunk
-    trimmed to the valid length) with the request's queries as they are, merged into a running log-sum-exp.
-    Host reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as ``decode_flash``), never a sync.
-    """
-    bs, blocks = q.shape[0], valid.shape
-    lens = valid.sum(1).new_zeros(bs + 1).index_add_(0, block_req, valid.sum(1))[:bs].tolist()
-    nblocks = torch.bincount(block_req, minlength=bs + 1)[:bs]
-    firsts = ((torch.cumsum(nblocks, 0) - nblocks) * blocks[1]).tolist()  # flat position of each request's key 0
-    flat = runs.reshape(-1)
-    o = q.new_zeros(q.shape, dtype=torch.float32)
-    lse = torch.full(q.shape[:3], _LOWEST, dtype=torch.float32, device=q.device)
-    for b, (n, start) in enumerate(zip(lens, firsts, strict=True)):
-        q_b = q[b:b + 1]
-        for c0 in range(0, n, chunk_tokens):
-            c1 = min(n, c0 + chunk_tokens)
-            r0, r1 = (start + c0) // unit, -(-(start + c1) // unit)  # start and c0 are multiples of unit
-            k, v = _gather_kv(k_cache, v_cache, flat[r0:r1], unit, 1, (r1 - r0) * unit, q.dtype, k_scale, v_scale)
-            o_c, lse_c = _flash_cpu(q_b, k[:, :, :c1 - c0], v[:, :, :c1 - c0], 0.0, False, scale=scale)
-            if c0 == 0:
-                o[b], lse[b] = o_c[0], lse_c[0]
-                continue
-            o[b], lse[b] = merge_two(o[b], lse[b], o_c[0].float(), lse_c[0])
-    return o, lse
-
-
-@torch.library.register_fake(verify_flash)
-def _verify_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit=1, k_scale=1.0,
-                       v_scale=1.0):
-    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
-                     k_scale=None, v_scale=None, cpu_flash=None, sinks=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None) -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
@@ -376,5 +331,5 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
                        mask_layout=mask_layout, block_size=block_size, page_size=page_size)
     index = build_verify_index(req_to_token, meta.inputs, page_size)
     return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
-                         v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, k_scale=k_scale,
-                         v_scale=v_scale, sinks=sinks)
+                         v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, fused=fused,
+                         k_scale=k_scale, v_scale=v_scale, sinks=sinks)

@@ -11,6 +11,7 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import (
+    FUSED_MAX_ROWS,
     build_verify_index,
     chain_mask,
     draft_mask_from_custom,
@@ -56,22 +57,26 @@ def full_layout(masks, prefix):
                       for p, m in zip(prefix, masks, strict=True)])
 
 
+#: the prefix forms of ``verify_blocks`` (the fused one eagerly: correct, if slow; what compiled CPU code picks)
+FORMS = {"flash": dict(cpu_flash=True), "matmul": dict(cpu_flash=False), "fused": dict(fused=True)}
+
+
 def _case(prefix, k, *, hq=4, hkv=2, d=16, dv=None, mla=False, seed=0, **kw):
     prefix = torch.tensor(prefix, dtype=torch.int64)
     b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=hq, hkv=hkv, dqk=d, dv=dv, mla=mla, seed=seed, **kw)
     return b, prefix
 
 
-@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("prefix", [[5, 0, 130, 64, 1], [300]], ids=["batch", "single"])
-def test_matches_reference(prefix, tree, cpu_flash):
+def test_matches_reference(prefix, tree, form):
     k = 4
     b, prefix = _case(prefix, k, hq=8, hkv=2)
     g = torch.Generator().manual_seed(1)
     masks = random_trees(len(prefix), k, g) if tree else chain_mask(len(prefix), k)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
-                           masks.reshape(-1) if tree else None, cpu_flash=cpu_flash)
+                           masks.reshape(-1) if tree else None, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
     assert out.shape == ref.shape and out.dtype == b.q.dtype
     assert (out.double() - ref).abs().max() < 1e-5
@@ -80,9 +85,9 @@ def test_matches_reference(prefix, tree, cpu_flash):
 def test_prefix_read_in_several_chunks(monkeypatch):
     """``verify_flash`` reads a long prefix in chunks merged by their log-sum-exp: with chunks of a few keys (so
     every prefix spans several) the result still equals the float64 reference."""
-    import compiled_attn.verify as verify
+    import compiled_attn.verify_flash as verify_flash
 
-    monkeypatch.setattr(verify, "VERIFY_CHUNK_BYTES", 2 * 16 * 4 * 8)  # 8 keys of 2 KV heads x 16 per chunk
+    monkeypatch.setattr(verify_flash, "VERIFY_CHUNK_BYTES", 2 * 16 * 4 * 8)  # 8 keys of 2 KV heads x 16 per chunk
     k = 4
     b, prefix = _case([5, 0, 130, 64, 1], k, hq=8, hkv=2)
     masks = random_trees(len(prefix), k, torch.Generator().manual_seed(3))
@@ -109,15 +114,15 @@ def test_single_request_prefix_reads_its_slots(prefix):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
-def test_sinks(cpu_flash):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_sinks(form):
     """Attention sinks join every draft query's denominator (prefix and draft parts merged, then the sink)."""
     k = 3
     b, prefix = _case([5, 0, 130], k, hq=8, hkv=2)
     masks = random_trees(3, k, torch.Generator().manual_seed(5))
     sinks = torch.linspace(-2, 3, 8)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
-                           cpu_flash=cpu_flash, sinks=sinks)
+                           sinks=sinks, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5,
                            sinks=sinks)
     assert (out.double() - ref).abs().max() < 1e-5
@@ -149,18 +154,18 @@ def test_mla_absorbed_soft_cap_and_bf16():
     assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 3e-2
 
 
-@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
-def test_pages_and_float8(cpu_flash):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_pages_and_float8(form):
     k = 4
     masks = random_trees(3, k, torch.Generator().manual_seed(4))
     b, prefix = _case([13, 100, 0], k, page_size=16)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
-                           page_size=16, cpu_flash=cpu_flash)
+                           page_size=16, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
     assert (out.double() - ref).abs().max() < 1e-5
     b, prefix = _case([13, 100, 0], k, kv_dtype=torch.float8_e4m3fn)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
-                           k_scale=0.5, v_scale=0.5, cpu_flash=cpu_flash)
+                           k_scale=0.5, v_scale=0.5, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache.float(), b.v_cache.float(), b.req_to_token, b.rows, prefix, k, masks,
                            16 ** -0.5, kv_scale=0.5)
     assert (out.double() - ref).abs().max() < 1e-4
@@ -168,13 +173,14 @@ def test_pages_and_float8(cpu_flash):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prefix=st.lists(st.integers(0, 150), min_size=1, max_size=5), k=st.integers(1, 6), tree=st.booleans(),
-       heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (8, 1)]), cpu_flash=st.booleans(), seed=st.integers(0, 2**16))
-def test_random_cases(prefix, k, tree, heads, cpu_flash, seed):
+       heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (8, 1)]), form=st.sampled_from(list(FORMS)),
+       seed=st.integers(0, 2**16))
+def test_random_cases(prefix, k, tree, heads, form, seed):
     b, prefix_t = _case(prefix, k, hq=heads[0], hkv=heads[1], seed=seed)
     g = torch.Generator().manual_seed(seed)
     masks = random_trees(len(prefix), k, g) if tree else chain_mask(len(prefix), k)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix_t, k,
-                           masks.reshape(-1) if tree else None, cpu_flash=cpu_flash)
+                           masks.reshape(-1) if tree else None, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix_t, k, masks, 16 ** -0.5)
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 1e-4
 
@@ -207,12 +213,12 @@ def test_errors():
         plan_verify(*args, k, block_capacity=1, block_size=4)
 
 
-def verify_step(q, k_cache, v_cache, table, inputs, cpu_flash: bool):
-    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), 0.25, cpu_flash=cpu_flash)
+def verify_step(q, k_cache, v_cache, table, inputs, form: str):
+    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), 0.25, **FORMS[form])
 
 
-@pytest.mark.parametrize("cpu_flash", [True, False], ids=["flash", "matmul"])
-def test_compiles_once_per_bucket(cpu_flash):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_compiles_once_per_bucket(form):
     """fullgraph=True; batches of another size, other prefixes and other trees in one bucket (batch capacity 4,
     block capacity 12) reuse the graph."""
     torch._dynamo.reset()
@@ -229,11 +235,40 @@ def test_compiles_once_per_bucket(cpu_flash):
         q[: bs * k] = b.q[: bs * k]
         meta = plan_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows[:bs], prefix, k,
                            masks.reshape(-1), batch_capacity=cap, block_capacity=12, block_size=64)
-        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, cpu_flash)
+        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, form)
         ref = reference_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
         assert (out[: bs * k].double() - ref).abs().max() < 1e-5
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] == graphs[2], f"recompiled within one bucket: {graphs}"
+
+
+@pytest.mark.parametrize("k", [4, 5])
+def test_compiled_cpu_verify_picks_its_form_by_rows(k):
+    """Under ``torch.compile`` on CPU the default prefix form reads the cache in place (``index_columns``, no flash
+    op) up to ``FUSED_MAX_ROWS`` query rows per KV head (k = 4 at 2 query heads per KV head: 8 rows), and the
+    flash op above (k = 5: 10 rows). Both match the float64 reference."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    b, prefix = _case([5, 0, 130], k)
+    masks = random_trees(3, k, torch.Generator().manual_seed(8))
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
+    step = torch.compile(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.25), backend=counter,
+                         fullgraph=True)
+    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    fused = k * 2 <= FUSED_MAX_ROWS
+    assert (torch.ops.compiled_attn.index_columns.default in targets) == fused
+    assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_fused_and_cpu_flash_together_is_an_error():
+    b, prefix = _case([5, 9], 2)
+    with pytest.raises(ValueError, match="fused=True and cpu_flash=True"):
+        verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, fused=True, cpu_flash=True)
 
 
 def test_bench_verify_case_row():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from graphs.runner_helpers import mark_fixed_dims
 from profiling.timers import median, time_interleaved
 
 from ..compile_policy import compile_step
@@ -79,6 +80,11 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     # decode step j: the j-th draft token over the prefix and the j drafts before it (a chain's decode)
     steps = [(q1[:, j].contiguous(), plan_decode(q1[:, j], kc, vc, table, rows, prefix + j + 1).inputs)
              for j in range(k)]
+    # compiled as a bucket of ``VerifyGraphs`` / ``DecodeGraphs`` compiles it (``graphs.mark_fixed_dims``): the
+    # cache, the table, the block size and the head sizes static, the batch and block counts symbolic
+    fixed = {"k_cache": kc, "v_cache": vc, "table": table}
+    mark_fixed_dims(fixed, [{"q": q, "block_offsets": meta.inputs.block_offsets}])
+    mark_fixed_dims(fixed, [{"q": qj, "block_offsets": inputs.block_offsets} for qj, inputs in steps])
 
     def run_verify():
         return verify(q, kc, vc, table, meta.inputs, scale)
