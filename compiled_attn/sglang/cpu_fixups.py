@@ -11,6 +11,11 @@ Two users, two modes:
   targets are :data:`run_scheduler_process` / :data:`run_detokenizer_process` (:class:`ChildTarget`), whose
   unpickling in the child calls :func:`apply` before the target's arguments (which import SGLang) are unpickled.
 
+The ``sgl_kernel`` stand-in is not all stubs: the ops SGLang's n-gram speculative decoding calls on CPU
+(``--speculative-algorithm NGRAM``, no draft model) are answered with the PyTorch versions in
+:mod:`compiled_attn.sglang.spec_kernels_cpu`, and ``sgl_kernel.speculative`` (its one submodule) holds the n-gram
+tree-link op; everything else raises when called.
+
 The two modes are exclusive per process (one sets ``SGLANG_USE_CPU_ENGINE=1``, the other drops it), so a process
 that has used the harness must not start a live engine in-process; start it in a subprocess.
 
@@ -112,44 +117,60 @@ def set_cpu_engine_env() -> bool:
 
 
 class _KernelStandIn(types.ModuleType):
-    """A module whose every public name is a function raising ``NotImplementedError`` when called.
+    """``sgl_kernel`` for a CPU without it: the n-gram speculative ops in pure PyTorch, every other name a function
+    raising ``NotImplementedError`` when called.
 
-    SGLang's CPU modules import ``*_cpu`` kernels from ``sgl_kernel`` at module level but call them only on
-    CPUs with AMX (and PyPI has no CPU build), so the names must exist; a call means a path we don't support.
-    With SGLang 0.5.23 the names taken at import are ``assign_req_to_token_pool_cpu``,
-    ``copy_all_layer_kv_cache_cpu``, ``assign_extend_cache_locs_cpu``, ``assign_draft_cache_locs_contiguous_cpu``,
+    SGLang's CPU modules import ``*_cpu`` kernels from ``sgl_kernel`` at module level, so the names must exist.
+    Most are called only on CPUs with AMX (and PyPI has no CPU build): a call means a path we don't support. With
+    SGLang 0.5.23 the names taken at import are ``assign_req_to_token_pool_cpu``, ``copy_all_layer_kv_cache_cpu``,
+    ``assign_extend_cache_locs_cpu``, ``assign_draft_cache_locs_contiguous_cpu``,
     ``build_tree_kernel_efficient_cpu``, ``fill_accept_out_cache_loc_cpu``, ``fill_bonus_tokens_cpu`` and
-    ``verify_tree_greedy_cpu``; any name is answered, so a new import doesn't break start-up.
+    ``verify_tree_greedy_cpu``; those in :data:`compiled_attn.sglang.spec_kernels_cpu.OPS` are real (what
+    ``--speculative-algorithm NGRAM`` calls), the EAGLE-only ones raise. Any name is answered, so a new import
+    doesn't break start-up.
     """
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        from .spec_kernels_cpu import OPS
 
-        def missing(*args, **kwargs):
-            raise NotImplementedError(f"{self.__name__}.{name}: sgl_kernel is not installed (CPU-only stand-in)")
+        op = OPS.get(name)
+        if op is None:
+            def op(*args, **kwargs):
+                raise NotImplementedError(f"{self.__name__}.{name}: sgl_kernel is not installed (CPU-only stand-in)")
 
-        missing.__name__ = missing.__qualname__ = name
-        setattr(self, name, missing)
-        return missing
+            op.__name__ = op.__qualname__ = name
+        setattr(self, name, op)
+        return op
 
 
 class _StandInFinder:
-    """Meta-path finder that makes ``sgl_kernel`` (not its submodules) importable as a :class:`_KernelStandIn`.
+    """Meta-path finder that makes ``sgl_kernel`` importable as a :class:`_KernelStandIn`, and of its submodules only
+    ``sgl_kernel.speculative`` (holding just the ops in ``spec_kernels_cpu.SPECULATIVE_OPS``).
 
-    Submodules stay missing on purpose: SGLang wraps ``from sgl_kernel.<sub> import ...`` in ``try/except
-    ImportError`` with CPU fallbacks (e.g. ``sgl_kernel.scalar_type``), which a stand-in would defeat.
+    Other submodules stay missing on purpose: SGLang wraps ``from sgl_kernel.<sub> import ...`` in ``try/except
+    ImportError`` with CPU fallbacks (e.g. ``sgl_kernel.scalar_type``), which a stand-in would defeat; for the same
+    reason a name ``sgl_kernel.speculative`` lacks is an ``ImportError``, not a raising function.
     """
 
     ROOT = "sgl_kernel"
+    SPECULATIVE = "sgl_kernel.speculative"
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.ROOT:
+        if fullname not in (self.ROOT, self.SPECULATIVE):
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        # the root is a package (empty __path__) so that `import sgl_kernel.speculative` reaches this finder
+        return importlib.util.spec_from_loader(fullname, self, is_package=fullname == self.ROOT)
 
     def create_module(self, spec):
-        return _KernelStandIn(spec.name)
+        if spec.name == self.ROOT:
+            return _KernelStandIn(spec.name)
+        from .spec_kernels_cpu import SPECULATIVE_OPS
+
+        module = types.ModuleType(spec.name, "CPU stand-in: sgl_kernel's speculative ops in pure PyTorch")
+        module.__dict__.update(SPECULATIVE_OPS)
+        return module
 
     def exec_module(self, module):
         pass
@@ -160,7 +181,8 @@ def _stand_in_installed() -> bool:
 
 
 def install_sgl_kernel_stand_in() -> bool:
-    """SGLang's CPU engine imports ``sgl_kernel`` at module level and PyPI has no CPU build: answer with a stand-in."""
+    """SGLang's CPU engine imports ``sgl_kernel`` at module level and PyPI has no CPU build: answer with a stand-in
+    (n-gram speculative ops real, in PyTorch; the rest raise when called)."""
     if _stand_in_installed():
         return False
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
