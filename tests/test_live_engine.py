@@ -308,13 +308,26 @@ def test_serve_leaves_other_backends_alone():
     serve.check_args(attention_backend="triton", kv_cache_dtype="fp8_e4m3")  # not ours: SGLang decides
 
 
-def test_serve_refuses_speculative_decoding_only_where_sglang_cannot_draft():
-    """The backend verifies drafts (TARGET_VERIFY, graphs included); SGLang's draft workers need CUDA kernels."""
+def test_serve_refuses_speculative_decoding_only_where_sglang_cannot_draft(capsys):
+    """The backend verifies drafts (TARGET_VERIFY, graphs included); on a CPU-only machine SGLang drafts only with
+    NGRAM (no draft model; its ops in the sgl_kernel stand-in), eagerly and with page size 1
+    (tests/test_live_ngram.py runs it)."""
     from compiled_attn.sglang import serve
 
     serve.check_args(speculative_algorithm="EAGLE", cpu=False)
-    with pytest.raises(serve.UnsupportedArgument, match="--speculative-algorithm NGRAM.*CUDA kernels"):
-        serve.check_args(speculative_algorithm="NGRAM", cpu=True)
+    serve.check_args(speculative_algorithm="NGRAM", enable_torch_compile=True, page_size=16, cpu=False)
+    serve.check_args(speculative_algorithm="NGRAM", cpu=True)
+    serve.check_args(speculative_algorithm="NGRAM", page_size=1, enable_torch_compile=False, cpu=True)
+    with pytest.raises(serve.UnsupportedArgument, match="--speculative-algorithm EAGLE.*CUDA kernels"):
+        serve.check_args(speculative_algorithm="EAGLE", cpu=True)
+    with pytest.raises(serve.UnsupportedArgument, match="^--enable-torch-compile: .*speculative"):
+        serve.check_args(speculative_algorithm="NGRAM", enable_torch_compile=True, cpu=True)
+    with pytest.raises(serve.UnsupportedArgument, match="^--page-size 16: .*NGRAM.*--page-size 1"):
+        serve.check_args(speculative_algorithm="NGRAM", page_size=16, cpu=True)
+    if serve.cpu_fixups.cpu_only():  # the command line reaches the same checks (main() asks this machine)
+        assert serve.main(["--model-path", "unused", "--speculative-algorithm", "NGRAM", "--enable-torch-compile"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--enable-torch-compile" in err[0], err
 
 
 if __name__ == "__main__":  # worker: python tests/test_live_engine.py '<json spec>'

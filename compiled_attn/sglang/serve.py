@@ -8,7 +8,9 @@ compiled_attn``. With CUDA available it applies nothing and only adds the ``--at
 server itself is SGLang's, unchanged.
 
 Flags our backend cannot serve (:func:`check_args`) are refused before anything starts, with one message naming
-the flag, rather than at the first request.
+the flag, rather than at the first request. On a CPU-only machine speculative decoding runs as
+``--speculative-algorithm NGRAM`` only (no draft model), eagerly (no ``--enable-torch-compile``) and with
+``--page-size 1``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class UnsupportedArgument(ValueError):
 
 def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str | None = None,
                speculative_algorithm: str | None = None, page_size: int | None = None,
-               cpu: bool | None = None) -> None:
+               enable_torch_compile: bool | None = None, cpu: bool | None = None) -> None:
     """Refuse what :class:`compiled_attn.sglang.backend.CompiledAttnBackend` would refuse at the first request, and
     what SGLang cannot run on this machine with it.
 
@@ -44,14 +46,31 @@ def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str |
             f"--kv-cache-dtype {kv_cache_dtype}: not supported by --attention-backend {BACKEND} (it reads "
             f"float32/bfloat16/float16 and float8 caches); use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
     if speculative_algorithm and (cpu_fixups.cpu_only() if cpu is None else cpu):
-        # the backend runs TARGET_VERIFY (eagerly and in CUDA graphs); SGLang's draft side is what needs a GPU
-        raise UnsupportedArgument(
-            f"--speculative-algorithm {speculative_algorithm}: SGLang 0.5.23's speculative workers need CUDA "
-            f"kernels (sgl_kernel.speculative, triton) that a CPU-only machine lacks; --attention-backend {BACKEND} "
-            "verifies drafts on a GPU machine (python -m sglang.launch_server ...)")
+        _check_cpu_speculative(str(speculative_algorithm), page_size, enable_torch_compile)
     if page_size is not None and int(page_size) < 1:
         raise UnsupportedArgument(f"--page-size {page_size}: --attention-backend {BACKEND} needs a positive "
                                   "number of tokens per page")
+
+
+def _check_cpu_speculative(algorithm: str, page_size, enable_torch_compile) -> None:
+    """On a CPU-only machine only NGRAM drafts (no draft model; its ops have PyTorch versions in the
+    ``sgl_kernel`` stand-in, ``spec_kernels_cpu``); the backend verifies drafts of any algorithm on a GPU."""
+    if algorithm.upper() != "NGRAM":
+        raise UnsupportedArgument(
+            f"--speculative-algorithm {algorithm}: on a CPU-only machine only NGRAM runs (SGLang 0.5.23's "
+            f"draft-model workers need CUDA kernels: sgl_kernel, triton); --attention-backend {BACKEND} "
+            "verifies drafts of every algorithm on a GPU machine (python -m sglang.launch_server ...)")
+    if enable_torch_compile:
+        # SGLang's CPU graph runner asserts that speculative decoding is off
+        raise UnsupportedArgument(
+            "--enable-torch-compile: SGLang 0.5.23's CPU graph runner does not run speculative decoding; "
+            f"--speculative-algorithm NGRAM with --attention-backend {BACKEND} on CPU runs eagerly (drop the flag)")
+    if page_size is not None and int(page_size) > 1:
+        # get_last_loc (SGLang's paged slot allocation for draft tokens) is a triton kernel for every backend but
+        # torch_native; trees over pages > 1 SGLang allows only with flashinfer anyway
+        raise UnsupportedArgument(
+            f"--page-size {page_size}: --speculative-algorithm NGRAM on a CPU-only machine needs --page-size 1 "
+            "(SGLang 0.5.23 allocates draft-token slots over pages > 1 with a triton kernel)")
 
 
 def _flag_values(argv: list[str]) -> dict:
@@ -61,9 +80,11 @@ def _flag_values(argv: list[str]) -> dict:
     p.add_argument("--kv-cache-dtype")
     p.add_argument("--speculative-algorithm", "--speculative-algo")
     p.add_argument("--page-size", type=int)
+    p.add_argument("--enable-torch-compile", action="store_true")
     known, _ = p.parse_known_args(argv)
     return dict(attention_backend=known.attention_backend or BACKEND, kv_cache_dtype=known.kv_cache_dtype,
-                speculative_algorithm=known.speculative_algorithm, page_size=known.page_size)
+                speculative_algorithm=known.speculative_algorithm, page_size=known.page_size,
+                enable_torch_compile=known.enable_torch_compile)
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -116,7 +137,8 @@ def engine(**server_args_kwargs):
     """
     server_args_kwargs.setdefault("attention_backend", BACKEND)
     check_args(**{k: server_args_kwargs.get(k) for k in
-                  ("attention_backend", "kv_cache_dtype", "speculative_algorithm", "page_size")})
+                  ("attention_backend", "kv_cache_dtype", "speculative_algorithm", "page_size",
+                   "enable_torch_compile")})
     cpu = _prepare()
     if not cpu:
         from sglang.srt.entrypoints.engine import Engine

@@ -23,7 +23,9 @@ of the step's tree mask into a static buffer out of the graph, the verify index 
 each layer then runs the same ``verify_blocks`` as eagerly. Chains and trees in both mask layouts, padded batch
 sizes, pages and absorbed MLA are tested that way. Not captured: sliding-window layers (their chain runs as a
 planned extend: ``NotImplementedError`` at capture). SGLang's CPU graph runner refuses speculative decoding, so on
-CPU verify runs eagerly or under the model's ``torch.compile``.
+CPU verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly with
+``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy
+tokens equal to transformers').
 """
 from __future__ import annotations
 
