@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -276,3 +277,35 @@ def test_nsys_script_without_nsys(tmp_path):
     assert "nsys not found on PATH" in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
     assert os.access(ROOT / "profiling" / "nsys_session.sh", os.X_OK)
+
+
+def _thp_available() -> bool:
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def test_use_huge_pages_sets_the_allocator_switch_and_keeps_a_given_one(monkeypatch):
+    from profiling.host import THP_ENV, use_huge_pages
+
+    monkeypatch.setenv(THP_ENV, "0")
+    assert use_huge_pages() is False and os.environ[THP_ENV] == "0"  # the user's choice wins
+    monkeypatch.delenv(THP_ENV)
+    assert use_huge_pages() is _thp_available()
+    assert (os.environ.get(THP_ENV) == "1") is _thp_available()
+
+
+@pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off on this machine")
+def test_huge_pages_back_large_buffers_of_a_fresh_process():
+    """PyTorch reads the switch at a process's first allocation: set before any tensor, a 64 MiB buffer is (at
+    least partly) on 2 MiB pages; without it none is, where the kernel gives them only to madvised memory."""
+    code = ("import sys; from profiling.host import huge_pages_in_use, use_huge_pages\n"
+            "on = sys.argv[1] == 'on' and use_huge_pages()\n"
+            "import torch; x = torch.ones(16 << 20); print(int(on), huge_pages_in_use())")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, cwd=ROOT,
+                                env=env, check=True).stdout.split() for mode in ("on", "off")}
+    assert out["on"][0] == "1" and int(out["on"][1]) >= 2 << 20
+    madvise_only = "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert out["off"][0] == "0" and (out["off"][1] == "0" or not madvise_only)

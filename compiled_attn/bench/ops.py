@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphs.runner import EAGER_MARGIN, faster_form
-from profiling.host import add_malloc_flag, tune_malloc
+from profiling.host import add_malloc_flag, huge_pages_in_use, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from ..compile_policy import compile_step
@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     # the spinners run for the whole measurement (compiles included), so every row shares the same load
     with contend(args.contend):
         _run_cases(args)
-    print(f"{describe(args.contend)}; malloc tuning {'on' if malloc else 'off'}")
+    print(f"{describe(args.contend)}; malloc tuning {'on' if malloc else 'off'}; "
+          f"{huge_pages_in_use() >> 20} MiB on 2 MiB pages")
     return 0
 
 

@@ -19,6 +19,8 @@ import argparse
 import os
 import sys
 
+from profiling.host import use_huge_pages
+
 from . import cpu_fixups
 
 BACKEND = "compiled_attn"
@@ -124,9 +126,14 @@ def engine_class():
 
 
 def _prepare() -> bool:
-    """Fix-ups in this process (before SGLang is imported); returns True on a CPU-only machine."""
+    """Fix-ups in this process (before SGLang is imported); returns True on a CPU-only machine, where the
+    spawned SGLang processes also get 2 MiB pages for their large buffers (weights, KV pool:
+    ``profiling.host.use_huge_pages``; ``THP_MEM_ALLOC_ENABLE=0`` in the environment keeps 4 KiB pages)."""
     cpu_fixups.apply()
-    return cpu_fixups.cpu_only()
+    cpu = cpu_fixups.cpu_only()
+    if cpu:
+        use_huge_pages()
+    return cpu
 
 
 def engine(**server_args_kwargs):
