@@ -28,7 +28,7 @@ from graphs import cdiv
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
-from .decode_fused import block_queries, fused_block_partials, grouped_queries
+from .decode_fused import block_queries, fused_block_partials, grouped_queries, used_prefix
 from .kv_dtype import compute_dtype, dequantize
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -240,10 +240,12 @@ def decode_blocks(
     if fused:
         if cpu_flash:
             raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
-        qb = block_queries(q, index.block_req, hkv, scale)
-        m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs, index.valid, index.unit, logit_cap,
-                                          k_scale, v_scale)
-        out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
+        n = used_prefix(index.block_req, bs)  # a bucket's unused blocks are not computed at all
+        block_req = index.block_req[:n]
+        qb = block_queries(q, block_req, hkv, scale)
+        m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit,
+                                          logit_cap, k_scale, v_scale)
+        out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
         return out.reshape(bs, hq, dv).to(q.dtype)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash is None:

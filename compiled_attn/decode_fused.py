@@ -85,6 +85,32 @@ def _block_queries_fake(q, block_req, num_kv_heads, scale):
 
 
 @opaque_op
+def used_blocks(block_req: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """How many blocks a batch uses, as the length of the returned ``[n]`` int64 arange: block_req [nblk] (the
+    used blocks first, then ``num_rows`` for each unused one).
+
+    Why: a graph's block list is sized for its bucket's worst batch (in SGLang's graphs, every row at the longest
+    context), and the fused kernel's cost follows the blocks it is given, so a batch of 1k-token requests in a graph
+    sized for 4k computed about 4x its work. Under ``torch.compile`` this op's length is a data-dependent size
+    (read on the host when the compiled step runs, never traced as a value), so the kernel loops over the used
+    blocks only, with one compile for every count. CPU only: a CUDA graph cannot record a host read."""
+    return torch.arange(int((block_req < num_rows).sum()), device=block_req.device)
+
+
+@torch.library.register_fake(used_blocks)
+def _used_blocks_fake(block_req, num_rows):
+    return block_req.new_empty(torch.library.get_ctx().new_dynamic_size())
+
+
+def used_prefix(index_block_req: torch.Tensor, num_rows: int) -> int | torch.SymInt:
+    """``used_blocks``' count: an int eagerly, a data-dependent size under ``torch.compile``, known to be at most the
+    block count (so slicing ``[:n]`` needs no clamp)."""
+    n = used_blocks(index_block_req, num_rows).shape[0]
+    torch._check(n <= index_block_req.shape[0])
+    return n
+
+
+@opaque_op
 def index_columns(index: torch.Tensor) -> torch.Tensor:
     """A 2-D index transposed into a new contiguous tensor ([a, b] -> [b, a]). An op of its own so that inductor
     reads it as a stored buffer in that layout instead of folding the transpose (or the index's computation) into

@@ -42,7 +42,7 @@ from .decode import (
     merge_blocks,
     sinks_by_kv_head,
 )
-from .decode_fused import block_queries, fused_block_partials
+from .decode_fused import block_queries, fused_block_partials, used_prefix
 from .kv_dtype import dequantize
 from .metadata import DecodeInputs
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
@@ -235,17 +235,20 @@ def verify_blocks(
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
+        block_req = index.prefix.block_req
         if fused:
             prefix = index.prefix
-            qb = block_queries(qg.reshape(bs, -1, qg.shape[3]), prefix.block_req, hkv, scale)
-            m, lsum, o = fused_block_partials(qb, k_cache, v_cache, prefix.runs, prefix.valid, prefix.unit,
+            n = used_prefix(block_req, bs)  # a bucket's unused blocks are not computed at all
+            block_req = block_req[:n]
+            qb = block_queries(qg.reshape(bs, -1, qg.shape[3]), block_req, hkv, scale)
+            m, lsum, o = fused_block_partials(qb, k_cache, v_cache, prefix.runs[:n], prefix.valid[:n], prefix.unit,
                                               logit_cap, k_scale, v_scale)
         else:
             m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
                                         v_scale)
         rows = torch.arange(bs, device=q.device)
         out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
-                           torch.cat([index.prefix.block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
+                           torch.cat([block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
     return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
 
 

@@ -206,6 +206,33 @@ def test_compiled_cpu_decode_reads_the_cache_in_place(cpu_flash, page_size):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_cpu_decode_computes_the_used_blocks_only():
+    """A bucket's block list sized far past the batch (40 blocks for the 10 it uses): the compiled fused decode
+    counts the used blocks on the host (``used_blocks``, a data-dependent size) and runs its kernel on those; the
+    result is the float64 reference's, and a batch using another number of blocks reuses the compiled graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from compiled_attn.decode_fused import used_blocks
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(lambda q, kc, vc, table, inputs: decode_blocks(
+        q, kc, vc, build_decode_index(table, inputs, host_form=False), 0.3), backend=counter, fullgraph=True,
+        dynamic=True)
+    for lens, used in (([5, 70, 50], 10), ([129, 1, 16], 11)):
+        b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=4)
+        meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16,
+                           block_capacity=40)
+        assert used_blocks(build_decode_index(b.req_to_token, meta.inputs).block_req, 3).shape == (used,)
+        out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+        ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                                  b.ext_lens, scale=0.3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert torch.ops.compiled_attn.used_blocks.default in targets
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_chunks_switch_to_threads_when_one_runs_slow(monkeypatch, page_size):
     """A call whose chunk runs far over the fastest one finishes its remaining chunks on Python threads (one
