@@ -175,3 +175,19 @@ def test_bench_ops_extend_runs_and_reports_waste(capsys):
                            "1", "--no-malloc-tuning"]) == 0
     out = capsys.readouterr().out
     assert "waste_64" in out and "GFLOP/s" in out
+
+
+def test_bench_engine_context_length_flag(capsys):
+    """``bench-engine --context-length``: the engine's context (what SGLang sizes its decode graphs for) is the
+    given one, and one that cannot hold a request or exceeds the model's positions is refused in one line."""
+    from compiled_attn.bench import engine_bench
+
+    args = engine_bench.parse_args(["--model", "tiny-llama", "--context", "100", "--decode-steps", "4",
+                                    "--context-length", "2048"])
+    assert args.context_length == 2048
+    assert engine_bench.parse_args(["--context", "100"]).context_length is None  # the tight default
+    for bad in ("104", "4096"):  # 100 + 4 + 1 tokens do not fit; tiny-llama has 2048 positions
+        with pytest.raises(SystemExit):
+            engine_bench.parse_args(["--model", "tiny-llama", "--context", "100", "--decode-steps", "4",
+                                     "--context-length", bad])
+        assert "--context-length" in capsys.readouterr().err

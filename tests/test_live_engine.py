@@ -210,15 +210,22 @@ def models(tmp_path_factory):
     for preset in ("tiny-llama", "tiny-deepseek-v2"):
         d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        ref = []
-        with torch.no_grad():
-            for ids in prompts():
-                x = torch.tensor([ids])
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                                   min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
-                ref.append(y[0, len(ids):].tolist())
-        out[preset] = (d, model, ref)
+        out[preset] = (d, model, greedy_reference(model, prompts(), NEW_TOKENS))
     return out
+
+
+def greedy_reference(model, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (exactly ``new_tokens`` tokens, EOS ignored)."""
+    import torch
+
+    ref = []
+    with torch.no_grad():
+        for ids in token_prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=3)
+            ref.append(y[0, len(ids):].tolist())
+    return ref
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import sys
 import time
 
 import pytest
-from test_live_engine import ENGINE_KW, JOB_TIMEOUT_S, _child_env, _run_group
+from test_live_engine import ENGINE_KW, JOB_TIMEOUT_S, _child_env, _run_group, greedy_reference
 
 pytestmark = pytest.mark.live
 
@@ -106,14 +106,7 @@ def reference(tmp_path_factory):
 
     d = make_model("tiny-llama", str(tmp_path_factory.mktemp("tiny-llama")))
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    ref = []
-    with torch.no_grad():
-        for ids in prompts():
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=3)
-            ref.append(y[0, len(ids):].tolist())
-    return d, ref
+    return d, greedy_reference(model, prompts(), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

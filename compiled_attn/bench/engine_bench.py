@@ -2,6 +2,7 @@
 
     compiled-attn bench-engine [--model tiny-llama | --model-path DIR] [--backend torch_native,compiled_attn,
         compiled_attn+compile] [--batch-size 1,8,32] [--context 1024] [--decode-steps 32] [--rounds 3] [--threads 2]
+        [--context-length N] [--max-total-tokens N]
 
 Each backend gets its own ``sglang.Engine`` (``serve.engine``: CPU fix-ups, random-weight model from
 ``make_model`` unless ``--model-path``), each in a worker subprocess of its own (SGLang keeps one engine per
@@ -69,6 +70,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
     p.add_argument("--context", type=int_at_least(1), default=1024, help="prompt tokens per request (default 1024)")
     p.add_argument("--decode-steps", type=int_at_least(2), default=32, help="timed decode steps per batch (default 32)")
+    p.add_argument("--context-length", type=int_at_least(1), default=None,
+                   help="the engine's --context-length (default: --context + --decode-steps + 8); a server runs the "
+                        "model's maximum, and SGLang's decode graphs are sized for it")
+    p.add_argument("--max-total-tokens", type=int_at_least(1), default=None,
+                   help="the KV pool's tokens (default: the largest batch's requests, + 256); a server's pool is "
+                        "far larger, and a decode graph's block capacity grows with it")
     p.add_argument("--rounds", type=int_at_least(1), default=3, help="timed rounds (default 3)")
     p.add_argument("--threads", type=int_at_least(1), default=2, help="OMP_NUM_THREADS of every engine (default 2)")
     p.add_argument("--chunked-prefill-size", type=int_at_least(1), default=4096)
@@ -88,6 +95,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if max_pos and args.context + args.decode_steps + 1 > max_pos:
         p.error(f"--context {args.context} + --decode-steps {args.decode_steps} + 1 exceeds the model's "
                 f"max_position_embeddings {max_pos}")
+    if args.context_length is not None and not (args.context + args.decode_steps + 1 <= args.context_length
+                                                <= (max_pos or args.context_length)):
+        p.error(f"--context-length {args.context_length} must hold --context + --decode-steps + 1 "
+                f"({args.context + args.decode_steps + 1}) and not exceed max_position_embeddings {max_pos}")
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.access(d, os.W_OK):
@@ -161,8 +172,9 @@ def _worker(spec: dict) -> int:
     if kw.get("enable_torch_compile"):
         kw["cuda_graph_bs_decode"] = spec["batch_sizes"]
     t0 = time.perf_counter()
-    eng = serve.engine(model_path=spec["model_dir"], context_length=spec["context"] + spec["steps"] + 8,
-                       max_total_tokens=max_bs * (spec["context"] + spec["steps"] + 8) + 256,
+    per_request = spec["context"] + spec["steps"] + 8
+    eng = serve.engine(model_path=spec["model_dir"], context_length=spec["context_length"] or per_request,
+                       max_total_tokens=spec["max_total_tokens"] or max_bs * per_request + 256,
                        max_running_requests=max_bs, chunked_prefill_size=spec["chunked_prefill_size"],
                        sleep_on_idle=True, skip_server_warmup=True, log_level="error", **kw)
     _send(dict(ready=True, start_s=time.perf_counter() - t0))
@@ -233,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = make_model(args.model, os.path.join(tempfile.mkdtemp(prefix="bench_engine_"), args.model),
                                seed=args.seed)
     spec = dict(model_dir=model_dir, context=args.context, steps=args.decode_steps, threads=args.threads,
-                batch_sizes=args.batch_size, chunked_prefill_size=args.chunked_prefill_size)
+                batch_sizes=args.batch_size, chunked_prefill_size=args.chunked_prefill_size,
+                context_length=args.context_length, max_total_tokens=args.max_total_tokens)
     print(f"# model {args.model_path or args.model}, context {args.context}, {args.decode_steps} decode steps, "
           f"OMP_NUM_THREADS={args.threads}, {args.rounds} rounds, backends interleaved", flush=True)
     engines: list[_Engine] = []
