@@ -11,7 +11,8 @@ Three forms compute the blocks. On CPU, eagerly (one head size, no soft-cap), th
 runs them through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded
 into one call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on
 the host to skip a bucket's padding. On CPU under ``torch.compile`` (one head size, separate K and V caches)
-``decode_fused.fused_block_partials`` reads K/V in place through the block table, with no gathered copy.
+``decode_fused.fused_block_partials`` reads K/V in place through the block table, with no gathered copy, over the
+used blocks only (``decode_fused.used_blocks`` counts them on the host: a data-dependent size to the compile).
 Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512; soft-capped models eagerly) the
 matmul form below runs.
 

@@ -9,7 +9,8 @@ inductor's C++ backend emits loops that load each K and V row from where it lies
 float32 in registers. Eagerly the same code materialises every intermediate (a copy of all of K), so
 ``decode.decode_blocks`` picks it only while compiling for a CPU; eager calls are for tests.
 
-Pure tensor code: no ``.item()``, no host sync, no value-dependent branch.
+Pure tensor code: no ``.item()``, no value-dependent branch; the one host read is inside the ``used_blocks`` op
+(CPU tensors, never a device sync).
 """
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ prefix blocks and the draft block are merged with the log-sum-exp rule (``decode
 Three forms, as decode. On CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each
 request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
 per-block copies of them, no mask, a running log-sum-exp). Under ``torch.compile`` on CPU (one head size, V a
-cache of its own) and with at most
-``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query heads per KV head), the prefix blocks read
-K/V in place (``decode_fused``, as the compiled decode); with more rows the flash kernel's GEMMs win. Elsewhere
-(CUDA, MLA's 576/512, soft-capped models) a matmul form over the blocks. The draft block is always a small matmul
-(``k`` keys). Everything after ``plan_verify`` is pure tensor code with static shapes per (batch capacity, ``k``,
-block capacity): no ``.item()``.
+cache of its own) with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query heads per KV
+head), the used prefix blocks read K/V in place (``decode_fused``, as the compiled decode); with more rows the
+flash kernel's GEMMs win. Elsewhere (CUDA, MLA's 576/512, soft-capped models) a matmul form over the blocks. The
+draft block is always a small matmul (``k`` keys). Everything after ``plan_verify`` is tensor code with static
+shapes per (batch capacity, ``k``, block capacity): no ``.item()``; the CPU forms' ops read their indices on the
+host (CPU tensors, never a device sync).
 
 Custom mask layouts: ``verify_masks``.
 """
