@@ -30,7 +30,7 @@ from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
 from .decode_fused import block_queries, fused_block_partials, grouped_queries, used_prefix
-from .kv_dtype import compute_dtype, dequantize
+from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import merge_partials
 from .metadata import DecodeInputs
 from .opaque import opaque_op
@@ -303,7 +303,7 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv = k_cache.shape[1]
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     compiling = torch.compiler.is_compiling()
-    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+    scales = scale_pair(k_scale, v_scale)
     if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
         o = single_request_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.single, scale,
                                  block_size, *scales, sinks)

@@ -29,7 +29,7 @@ from graphs import cdiv
 
 from .decode import merge_blocks, sinks_by_kv_head
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
-from .kv_dtype import dequantize
+from .kv_dtype import dequantize, scale_pair
 from .metadata import ExtendMetadata
 
 #: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
@@ -253,7 +253,7 @@ def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = ragged_tile_flash(q, k_cache, v_cache, index.slots, index.q_start, index.q_count, index.k_count,
                                 index.full, index.q_rel, scale, span_keys, index.causal,
                                 -1 if index.sliding_window is None else index.sliding_window,
-                                1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale, sinks)
+                                *scale_pair(k_scale, v_scale), sinks)
         return out.view(t, hq, dv).to(q.dtype)
     if index.mask is None:
         raise ValueError("the matmul form needs an index built with with_mask=True")

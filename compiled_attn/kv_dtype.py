@@ -65,6 +65,11 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torc
     return x
 
 
+def scale_pair(k_scale: float | None, v_scale: float | None) -> tuple[float, float]:
+    """Optional K/V dequantisation scales as the two floats the CPU kernel ops take (None meaning 1)."""
+    return 1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale
+
+
 def scale_value(scale) -> float | None:
     """A layer's scale as SGLang holds it (None, a float, or a one-element tensor) as a Python float; read once,
     at set-up, never per step."""

@@ -12,7 +12,7 @@ import torch
 from .block_flash import _flash_cpu, _gather_kv, slots_attention
 from .decode import DecodeIndex
 from .decode_flash import one_call_fits
-from .kv_dtype import compute_dtype
+from .kv_dtype import compute_dtype, scale_pair
 from .merge import merge_two
 from .opaque import opaque_op
 
@@ -25,7 +25,7 @@ VERIFY_CHUNK_BYTES = 2 << 20
 def prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_scale):
     """The prefixes through ``verify_flash`` -> (o [bs, Hkv, k * group, D] normalised, lse [bs, Hkv, k * group])."""
     hkv, d = qg.shape[1], qg.shape[3]
-    scales = (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
+    scales = scale_pair(k_scale, v_scale)
     qg = qg.to(compute_dtype(qg.dtype, k_cache.dtype))
     single = index.single
     if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
