@@ -29,7 +29,7 @@ from graphs import cdiv
 from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
-from .decode_fused import block_queries, fused_block_partials, grouped_queries, used_prefix
+from .decode_fused import choose_fused, grouped_queries, used_block_partials
 from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import merge_partials
 from .metadata import DecodeInputs
@@ -235,17 +235,9 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
-    if fused is None:
-        fused = (cpu_flash is None and torch.compiler.is_compiling() and q.device.type == "cpu"
-                 and not v_shares_k and dqk == dv)
-    if fused:
-        if cpu_flash:
-            raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
-        n = used_prefix(index.block_req, bs)  # a bucket's unused blocks are not computed at all
-        block_req = index.block_req[:n]
-        qb = block_queries(q, block_req, hkv, scale)
-        m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit,
-                                          logit_cap, k_scale, v_scale)
+    if choose_fused(fused, cpu_flash, q, v_shares_k, dv):
+        block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
+                                                    v_scale)
         out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
         return out.reshape(bs, hq, dv).to(q.dtype)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)

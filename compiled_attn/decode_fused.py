@@ -54,6 +54,35 @@ def fused_block_partials(qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return m, p.sum(-1), o
 
 
+def choose_fused(fused: bool | None, cpu_flash: bool | None, q: torch.Tensor, v_shares_k: bool, dv: int,
+                 rows_fit: bool = True) -> bool:
+    """Whether a decode-like call (decode, verify's prefix) takes this form: ``fused`` as given, or None picking it
+    while compiling for a CPU, with one head size (q's last dim == ``dv``), V a cache of its own (MLA's latent,
+    read twice this way, measured no faster than the matmul form) and ``rows_fit`` (the caller's own limit).
+    ``fused=True`` with ``cpu_flash=True`` is a ValueError."""
+    if fused is None:
+        fused = (cpu_flash is None and rows_fit and torch.compiler.is_compiling() and q.device.type == "cpu"
+                 and not v_shares_k and q.shape[-1] == dv)
+    if fused and cpu_flash:
+        raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
+    return fused
+
+
+def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, logit_cap: float | None, k_scale: float | None,
+                        v_scale: float | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_block_partials`` over the used blocks of ``index`` (a ``decode.DecodeIndex``; a bucket's unused
+    blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``.
+    -> (block_req [n], m, lsum [n, Hkv, R // Hkv], o [n, Hkv, R // Hkv, Dv]): ``decode.merge_blocks``' inputs."""
+    n = used_prefix(index.block_req, q.shape[0])
+    block_req = index.block_req[:n]
+    qb = block_queries(q, block_req, num_kv_heads, scale)
+    m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit, logit_cap,
+                                      k_scale, v_scale)
+    return block_req, m, lsum, o
+
+
 def _rows(cache: torch.Tensor, runs: torch.Tensor, unit: int, scale: float | None) -> torch.Tensor:
     """The rows of ``unit``-slot runs ``runs`` as float32 times ``scale``: an indexing expression that inductor
     folds into its consumers' loads. -> [*runs.shape, unit, H, D]."""

@@ -42,7 +42,7 @@ from .decode import (
     merge_blocks,
     sinks_by_kv_head,
 )
-from .decode_fused import block_queries, fused_block_partials, used_prefix
+from .decode_fused import choose_fused, used_block_partials
 from .kv_dtype import dequantize
 from .metadata import DecodeInputs
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
@@ -217,11 +217,7 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
-    if fused is None:
-        fused = (cpu_flash is None and torch.compiler.is_compiling() and q.device.type == "cpu"
-                 and not v_shares_k and q.shape[2] == dv and k * hq // hkv <= FUSED_MAX_ROWS)
-    if fused and cpu_flash:
-        raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
+    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=k * hq // hkv <= FUSED_MAX_ROWS)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
@@ -235,15 +231,11 @@ def verify_blocks(
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
-        block_req = index.prefix.block_req
         if fused:
-            prefix = index.prefix
-            n = used_prefix(block_req, bs)  # a bucket's unused blocks are not computed at all
-            block_req = block_req[:n]
-            qb = block_queries(qg.reshape(bs, -1, qg.shape[3]), block_req, hkv, scale)
-            m, lsum, o = fused_block_partials(qb, k_cache, v_cache, prefix.runs[:n], prefix.valid[:n], prefix.unit,
-                                              logit_cap, k_scale, v_scale)
+            block_req, m, lsum, o = used_block_partials(qg.reshape(bs, -1, qg.shape[3]), index.prefix, hkv, scale,
+                                                        k_cache, v_cache, logit_cap, k_scale, v_scale)
         else:
+            block_req = index.prefix.block_req
             m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
                                         v_scale)
         rows = torch.arange(bs, device=q.device)
