@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import torch
 
+#: the forms of ``decode.decode_blocks`` and ``verify.verify_blocks`` as keyword arguments: ATen's CPU flash kernel,
+#: the matmul form (CUDA's), and the fused in-place reads (compiled CPU code's; called eagerly here, its twin)
+DECODE_FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+
 
 def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefix_lens, ext_lens, *, scale=None,
                         causal=True, sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import reference_attention
+from reference import DECODE_FORMS, reference_attention
 
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
@@ -46,12 +46,12 @@ def _reference(b, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])  # MHA, GQA, MQA
-@pytest.mark.parametrize("form", [{"cpu_flash": True}, {"cpu_flash": False}, {"fused": True}])
+@pytest.mark.parametrize("form", DECODE_FORMS)
 def test_every_form_matches_reference(form, heads, dtype):
     hq, hkv = heads
     b = _batch(hq, hkv, dtype, seed=3)
     # spare blocks past the batch's need, as in a captured bucket: they must not leak into any row
-    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=40), 0.3, **form)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, _index(b, block_capacity=40), 0.3, **DECODE_FORMS[form])
     assert out.dtype == dtype and out.shape == (len(LENS), hq, 32)
     err = (out.double() - _reference(b, 0.3)).abs().max().item()
     assert err <= TOL[dtype], f"max abs error {err}"

@@ -16,7 +16,7 @@ from compiled_attn.block_flash import block_attention
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.kv_dtype import FP8_DTYPES, compute_dtype
 from compiled_attn.plan import plan_decode
-from tests.reference import reference_attention
+from tests.reference import DECODE_FORMS, reference_attention
 
 
 def _reference(b, *, k_scale=None, v_scale=None, **kw):
@@ -38,8 +38,7 @@ def _poison_unread(b, lo, hi, page_size):
             cache[~read] = float("nan")
 
 
-#: the three decode forms (``decode.decode_blocks``): CPU flash kernel, matmul, fused in-place reads (its eager twin)
-FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+FORMS = DECODE_FORMS
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])

@@ -122,21 +122,22 @@ def test_reconstruct_indices_chain_and_empty_batch():
 # --- assign_extend_cache_locs_cpu / assign_req_to_token_pool_cpu ---------------------------------------------
 
 
-def _ranges(gen, rows: int, width: int):
+def _table_and_ranges(seed: int, rows: int = 9, width: int = 40):
+    """A random [rows, width] int32 slot table and 1-5 requests' ranges ``[start, end)`` of distinct rows (one range
+    empty) -> gen, table, rpi, start, end, total length."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 10_000, (rows, width), generator=gen, dtype=torch.int32)
     bs = int(torch.randint(1, 6, (), generator=gen))
     rpi = torch.randperm(rows, generator=gen)[:bs]
     start = torch.randint(0, width // 2, (bs,), generator=gen)
     lens = torch.randint(0, 8, (bs,), generator=gen)
     lens[0] = 0  # an empty range among the others
-    return rpi, start, start + lens
+    return gen, table, rpi, start, start + lens, int(lens.sum())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_assign_extend_cache_locs_packs_table_ranges(seed):
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, 10_000, (9, 40), generator=gen, dtype=torch.int32)
-    rpi, start, end = _ranges(gen, 9, 40)
-    total = int((end - start).sum())
+    _, table, rpi, start, end, total = _table_and_ranges(seed)
     out = torch.full((total + 4,), -7, dtype=torch.int64)
     ops.assign_extend_cache_locs_cpu(rpi, table, start, end, out, table.shape[1])
     want = [int(table[r, s]) for r, a, e in zip(rpi.tolist(), start.tolist(), end.tolist(), strict=True)
@@ -155,10 +156,7 @@ def test_assign_extend_cache_locs_front_of_verify_windows():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_assign_req_to_token_pool_writes_ranges_back(seed):
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, 10_000, (9, 40), generator=gen, dtype=torch.int32)
-    rpi, start, end = _ranges(gen, 9, 40)
-    total = int((end - start).sum())
+    gen, table, rpi, start, end, total = _table_and_ranges(seed)
     locs = torch.randint(0, 10_000, (total + 3,), generator=gen, dtype=torch.int64)
     want = table.clone()
     pos = 0

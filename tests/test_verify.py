@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import DECODE_FORMS
 from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import make_batch
@@ -57,8 +58,7 @@ def full_layout(masks, prefix):
                       for p, m in zip(prefix, masks, strict=True)])
 
 
-#: the prefix forms of ``verify_blocks`` (the fused one eagerly: correct, if slow; what compiled CPU code picks)
-FORMS = {"flash": dict(cpu_flash=True), "matmul": dict(cpu_flash=False), "fused": dict(fused=True)}
+FORMS = DECODE_FORMS  # the prefix forms of ``verify_blocks``
 
 
 def _case(prefix, k, *, hq=4, hkv=2, d=16, dv=None, mla=False, seed=0, **kw):
