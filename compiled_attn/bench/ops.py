@@ -56,6 +56,15 @@ def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
     return out.view(torch.float32) if out.dtype != torch.float32 and out.numel() * out.element_size() % 4 == 0 else out
 
 
+def mark_as_bucket(q, k_cache, v_cache, table, block_offsets) -> None:
+    """Compile as a ``DecodeGraphs`` / ``VerifyGraphs`` bucket does (``graphs.runner_helpers.mark_fixed_dims``): the
+    cache, the table, the block size and q's head dims static, the batch and block counts symbolic."""
+    for t in (k_cache, v_cache, table, block_offsets):
+        torch._dynamo.mark_static(t)
+    for dim in (1, 2):
+        torch._dynamo.mark_static(q, dim)
+
+
 def served_form(compiled, eager, iters: int = 2) -> str:
     """What a bucket of ``DecodeGraphs`` would replay for this op: its warm-up's measurement (``iters``
     interleaved runs of each, the fastest of each) and ``graphs.faster_form``: "compiled" or "eager"."""
@@ -85,12 +94,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     kv_scale = 0.5 if kv_dtype in FP8_DTYPES else None
     meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, page_size=page_size)
     args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla, page_size, kv_scale)
-    # as a ``DecodeGraphs`` bucket compiles it (``graphs.runner_helpers.mark_fixed_dims``): the cache, the table and
-    # the head sizes static, the batch and block counts symbolic
-    for t in (k_cache, v_cache, table, meta.inputs.block_offsets):
-        torch._dynamo.mark_static(t)
-    for dim in (1, 2):
-        torch._dynamo.mark_static(q, dim)
+    mark_as_bucket(q, k_cache, v_cache, table, meta.inputs.block_offsets)
     compiled = compile_step(_decode_step)
 
     def loop():

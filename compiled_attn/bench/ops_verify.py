@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from graphs.runner_helpers import mark_fixed_dims
 from profiling.timers import median, time_interleaved
 
 from ..compile_policy import compile_step
@@ -23,6 +22,7 @@ from ..plan import plan_decode
 from ..verify import build_verify_index, plan_verify, verify_blocks
 from .batches import make_batch
 from .models import get_attention_shape
+from .ops import mark_as_bucket
 
 COLUMNS = ["op", "bs", "k", "mask", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms", "x_decode1", "decodek_x",
            "loop_x", "tokens"]
@@ -80,11 +80,8 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     # decode step j: the j-th draft token over the prefix and the j drafts before it (a chain's decode)
     steps = [(q1[:, j].contiguous(), plan_decode(q1[:, j], kc, vc, table, rows, prefix + j + 1).inputs)
              for j in range(k)]
-    # compiled as a bucket of ``VerifyGraphs`` / ``DecodeGraphs`` compiles it (``graphs.mark_fixed_dims``): the
-    # cache, the table, the block size and the head sizes static, the batch and block counts symbolic
-    fixed = {"k_cache": kc, "v_cache": vc, "table": table}
-    mark_fixed_dims(fixed, [{"q": q, "block_offsets": meta.inputs.block_offsets}])
-    mark_fixed_dims(fixed, [{"q": qj, "block_offsets": inputs.block_offsets} for qj, inputs in steps])
+    for qj, inputs in [(q, meta.inputs), *steps]:
+        mark_as_bucket(qj, kc, vc, table, inputs.block_offsets)
 
     def run_verify():
         return verify(q, kc, vc, table, meta.inputs, scale)
