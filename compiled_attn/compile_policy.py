@@ -20,8 +20,17 @@ import torch
 DEFAULT_RECOMPILE_LIMIT = 256
 
 
+def allow_data_dependent_sizes() -> None:
+    """Keep ops whose output size follows tensor data (``decode_fused.used_blocks``: a batch's used blocks) inside
+    the graph. ``fullgraph=True`` traces them anyway; a ``torch.compile`` without it (SGLang's CPU graph runner)
+    otherwise breaks the graph there on every attention layer, and dynamo runs the broken frames (the layer's
+    loop included) eagerly, so a compiled step of a small model took twice its eager time."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
+
 def configure_dynamo(recompile_limit: int = DEFAULT_RECOMPILE_LIMIT) -> None:
     """Allow one compiled graph per bucket (and per layer configuration) without hitting dynamo's limit."""
+    allow_data_dependent_sizes()
     cfg = torch._dynamo.config
     # duck sizing equates dims that merely happen to be equal at the first compile (a batch of 4 and 4 heads),
     # and the first batch of another size then recompiles; buckets make such coincidences common

@@ -335,14 +335,18 @@ def test_graph_capacity(monkeypatch):
         backend.init_cuda_graph_state(8, 8)
 
 
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "as_cpu_graph_runner"])
 @pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
-def test_forward_decode_compiles_fullgraph_without_recompiles(geom):
-    """What SGLang's graph runners compile: forward_decode (pool write included) after the in-graph metadata.
-    fullgraph=True fails on any graph break; a second batch of the same size must not recompile."""
+def test_forward_decode_compiles_as_one_graph_without_recompiles(geom, fullgraph, monkeypatch):
+    """What SGLang's graph runners compile: forward_decode (pool write included) after the in-graph metadata, in one
+    graph; a second batch of the same size must not recompile. CPUGraphRunner compiles without ``fullgraph`` (a
+    break there does not fail, it splits the step and runs its pieces eagerly), from dynamo's default settings:
+    its ``init_cpu_graph_state`` hook must set what the compiled decode's data-dependent block count needs."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", False)
     g = H.GEOMETRIES[geom]
     mr = H.make_model_runner(g, seed=13)
     backend = CompiledAttnBackend(mr)
-    backend.init_cuda_graph_state(8, 8)
+    backend.init_cpu_graph_state(8, 8)
     layer = H.make_layer(g)
     compiles = []
 
@@ -350,7 +354,8 @@ def test_forward_decode_compiles_fullgraph_without_recompiles(geom):
         compiles.append(gm)
         return gm.forward
 
-    step = torch.compile(lambda q, k, v, fb: backend.forward_decode(q, k, v, layer, fb), fullgraph=True,
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v, fb: backend.forward_decode(q, k, v, layer, fb), fullgraph=fullgraph,
                          dynamic=False, backend=count)
     for lens in ([7, 1, 30], [90, 4, 12, 33, 2]):
         batch = H.make_decode_batch(mr, lens, pad_to_bs=8)

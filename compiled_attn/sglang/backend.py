@@ -38,7 +38,8 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..api import v_is_prefix_of_k
-from ..decode import DecodeIndex, build_decode_index, decode_blocks, decode_blocks_needed
+from ..compile_policy import allow_data_dependent_sizes
+from ..decode import DecodeIndex, build_decode_index, decode_blocks, total_blocks_needed
 from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
 from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
 from ..metadata import DecodeInputs
@@ -173,7 +174,11 @@ class CompiledAttnBackend(AttentionBackend):
         self.graph = GraphState(max_bs, kv_tokens, z(), z(), z(), torch.arange(nblk, device=self.device),
                                  torch.arange(self.block_size, device=self.device))
 
-    init_cpu_graph_state = init_cuda_graph_state
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
+        """CPUGraphRunner's hook, called before it compiles the model (without ``fullgraph``): the static buffers, and
+        dynamo set to trace the compiled decode's data-dependent block count rather than break the graph there."""
+        allow_data_dependent_sizes()
+        self.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def graph_block_capacity(self, bs: int, kv_tokens: int | None = None) -> int:
         kv_tokens = kv_tokens if kv_tokens is not None else self.graph.kv_tokens
@@ -211,7 +216,7 @@ class CompiledAttnBackend(AttentionBackend):
                              f"req_to_token width {width} (max_context_len)")
         for window, cross in self.decode_keys:
             lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
-            needed = int(decode_blocks_needed(lo, hi, self.block_size, self.page_size).sum())
+            needed = total_blocks_needed(lo, hi, self.block_size, self.page_size)
             check_graph_blocks(f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)", needed, cap,
                                self.block_size, g.kv_tokens)
 
