@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import validate
-from .decode import aligned_kv_lo, decode_blocks_needed, gather_unit
+from .decode import aligned_kv_lo, gather_unit, total_blocks_needed
 from .metadata import DecodeInputs, DecodeMetadata, ExtendInputs, ExtendMetadata
 
 DEFAULT_BLOCK_SIZE = 64
@@ -21,6 +21,8 @@ def normalize_window(sliding_window):
 
 
 def _pad(t: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    if n == t.shape[0]:  # no padding rows (every eager plan): a copy, never the caller's tensor
+        return t.to(torch.int64, copy=True)
     out = torch.full((n,), fill, dtype=torch.int64)
     out[: t.shape[0]] = t
     return out
@@ -108,7 +110,7 @@ def plan_decode(
     if check_slots:
         validate.check_slots(req_to_token, rows, start, hi, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, hi, page_size)
-    needed = int(decode_blocks_needed(lo, hi, block_size, page_size).sum()) if bs else 0
+    needed = total_blocks_needed(lo, hi, block_size, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
     inputs = DecodeInputs(

@@ -59,8 +59,9 @@ def check_lengths(name: str, t: torch.Tensor, bs: int, device: torch.device) -> 
     if t.shape[0] != bs:
         raise ValueError(f"{name} must have shape [{bs}] (the batch size), got {tuple(t.shape)}")
     host = t.detach().to("cpu", torch.int64)
-    if bs and int(host.min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got min {int(host.min())}")
+    low = min(host.tolist(), default=0)  # Python ints: one op, where min() and int() are two per check
+    if low < 0:
+        raise ValueError(f"{name} must be >= 0, got min {low}")
     return host
 
 
@@ -73,16 +74,19 @@ def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: 
                          f"got {tuple(req_pool_indices.shape)}")
     rows = req_pool_indices.detach().to("cpu", torch.int64)
     max_reqs = req_to_token.shape[0]
-    if bs and (int(rows.min()) < 0 or int(rows.max()) >= max_reqs):
-        raise ValueError(f"req_pool_indices must lie in [0, {max_reqs}) (rows of req_to_token), "
-                         f"got range [{int(rows.min())}, {int(rows.max())}]")
+    if bs:
+        values = rows.tolist()
+        low, high = min(values), max(values)
+        if low < 0 or high >= max_reqs:
+            raise ValueError(f"req_pool_indices must lie in [0, {max_reqs}) (rows of req_to_token), "
+                             f"got range [{low}, {high}]")
     return rows
 
 
 def check_kv_end(kv_end: torch.Tensor, width: int, what: str) -> None:
-    if kv_end.numel() and int(kv_end.max()) > width:
-        raise ValueError(f"{what} reach position {int(kv_end.max())}, beyond the req_to_token width {width} "
-                         f"(max_context_len)")
+    end = max(kv_end.tolist(), default=0)
+    if end > width:
+        raise ValueError(f"{what} reach position {end}, beyond the req_to_token width {width} (max_context_len)")
 
 
 def check_window_and_cap(sliding_window, logit_cap) -> None:
@@ -139,10 +143,17 @@ def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor
     if rows.numel() == 0 or int(hi.max()) <= 0:
         return
     width = int(hi.max())
+    # the common case first, in two ops (the table's least and greatest entry read, or stale but in the rows read)
+    if rows.numel() == 1:
+        first = req_to_token[int(rows[0]), int(lo[0]):width]  # one request: its read range, a view
+    else:
+        first = req_to_token[rows.to(req_to_token.device), :width]
+    if first.numel():
+        low, high = (int(x) for x in torch.aminmax(first))
+        if low >= 0 and high < num_slots:
+            return
     used = req_to_token[rows.to(req_to_token.device), :width].cpu()  # [bs, width]
     bad = (used < 0) | (used >= num_slots)
-    if not bool(bad.any()):  # the common case: no bad entry at all, read or not, so no range mask to build
-        return
     pos = torch.arange(width)
     bad &= (pos >= lo[:, None]) & (pos < hi[:, None])  # stale entries outside the read ranges are allowed
     if bool(bad.any()):

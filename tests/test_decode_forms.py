@@ -14,7 +14,12 @@ from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.block_flash import block_attention, chunk_blocks_for, supports_block_flash
 from compiled_attn.compile_policy import compile_step
-from compiled_attn.decode import _batched_index, _single_request_index, decode_blocks_needed
+from compiled_attn.decode import (
+    _batched_index,
+    _single_request_index,
+    decode_blocks_needed,
+    total_blocks_needed,
+)
 from compiled_attn.metadata import DecodeInputs
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -289,3 +294,15 @@ def test_single_request_index_equals_the_tensor_form(data, page_size, block_size
             assert a is b, name
         else:
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), max_size=6),
+       page_size=st.sampled_from([1, 4, 16, 64]), block_size=st.sampled_from([8, 16, 24, 64]))
+def test_total_blocks_needed_counts_as_the_tensor_form(ranges, page_size, block_size):
+    """The plan's host count of blocks (Python ints) equals the graph code's per-request tensor form, summed:
+    empty and inverted ranges, ranges not starting at a page boundary, an empty batch."""
+    lo = torch.tensor([a for a, _ in ranges], dtype=torch.int64)
+    hi = torch.tensor([b for _, b in ranges], dtype=torch.int64)
+    assert total_blocks_needed(lo, hi, block_size, page_size) == int(
+        decode_blocks_needed(lo, hi, block_size, page_size).sum())

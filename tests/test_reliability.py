@@ -153,6 +153,25 @@ def test_out_of_range_beyond_the_read_range_is_ignored():
     decode_attention(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
 
 
+@pytest.mark.parametrize("bad_at, named", [(2, False), (18, False), (10, True), (16, True)])
+def test_one_request_checks_its_read_range_only(bad_at, named):
+    """A batch of one checks the slots of its own read range (a view of its table row): with a window of 6 keys
+    over 17 positions it reads positions [10, 17); a bad entry before (2) or past (18) that range is stale."""
+    b = make_batch([17], hq=4, hkv=2, dqk=16, decode=True, seed=11)
+    row = int(b.rows[0])
+    b.req_to_token[row, bad_at] = -1
+    q = torch.randn(1, 4, 16)
+
+    def plan():
+        return plan_decode(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, sliding_window=6)
+
+    if named:
+        with pytest.raises(ValueError, match=re.escape(f"req_to_token[{row}, {bad_at}] = -1 is not a KV slot")):
+            plan()
+    else:
+        assert plan().slots_checked
+
+
 def test_check_slots_switch():
     b = make_batch([5], hq=4, hkv=2, dqk=16, decode=True, seed=10)
     b.req_to_token[int(b.rows[0]), 0] = -1
