@@ -11,7 +11,8 @@ import torch
 
 from .block_flash import _flash_cpu, _gather_kv, slots_attention
 from .decode import DecodeIndex
-from .decode_flash import one_call_fits
+from .decode_flash import one_call_fits, position_slots
+from .inplace_flash import reads_in_place, request_in_place
 from .kv_dtype import compute_dtype, scale_pair
 from .merge import merge_two
 from .opaque import opaque_op
@@ -31,7 +32,9 @@ def prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_sca
     if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
             and not torch.compiler.is_compiling():
         # a batch of one indexed on the host: its prefix's slots in one gather and one kernel call, as decode does
-        o, lse = slots_attention(qg, k_cache, v_cache, single, scale, *scales)
+        chunk = VERIFY_CHUNK_BYTES // (hkv * d * 4)
+        found = request_in_place(qg, k_cache, v_cache, single, scale, chunk, *scales)
+        o, lse = found if found is not None else slots_attention(qg, k_cache, v_cache, single, scale, *scales)
         return o.float(), lse
     chunk = max(VERIFY_CHUNK_BYTES // (hkv * d * 4) // index.unit, 1) * index.unit
     return verify_flash(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk, index.unit,
@@ -64,8 +67,16 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     flat = runs.reshape(-1)
     o = q.new_zeros(q.shape, dtype=torch.float32)
     lse = torch.full(q.shape[:3], _LOWEST, dtype=torch.float32, device=q.device)
+    # keys lying in long runs of slots are read in place (inplace_flash), per request
+    slots = position_slots(runs, unit, blocks).reshape(-1) if reads_in_place(q.dtype, k_cache, v_cache, k_scale,
+                                                                              v_scale) else None
     for b, (n, start) in enumerate(zip(lens, firsts, strict=True)):
         q_b = q[b:b + 1]
+        found = None if slots is None or n == 0 else request_in_place(
+            q_b, k_cache, v_cache, slots[start:start + n], scale, chunk_tokens)
+        if found is not None:
+            o[b], lse[b] = found[0][0], found[1][0]
+            continue
         for c0 in range(0, n, chunk_tokens):
             c1 = min(n, c0 + chunk_tokens)
             r0, r1 = (start + c0) // unit, -(-(start + c1) // unit)  # start and c0 are multiples of unit

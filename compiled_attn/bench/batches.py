@@ -43,6 +43,38 @@ def assign_paged_requests(req_to_token: torch.Tensor, num_slots: int, lens: list
     return rows
 
 
+#: ``make_batch``'s ``slot_layout`` values
+SLOT_LAYOUTS = ("scattered", "engine")
+#: the engine layout's decode steps: a request's last tokens, one slot per request per step
+ENGINE_DECODE_TAIL = 32
+
+
+def assign_engine_requests(req_to_token: torch.Tensor, lens: list[int], tail: int,
+                           generator: torch.Generator) -> torch.Tensor:
+    """As ``assign_requests``, laid out as a fresh SGLang pool (page size 1) hands slots out: the batch's prompts
+    (each request's first ``lens[i] - tail`` tokens) in one prefill allocation, so each prompt is one run of
+    consecutive slots (requests in random order), then ``tail`` decode steps each taking one slot per request in
+    batch order, so a request's last ``tail`` tokens lie a batch apart. Slot 0 is never handed out. Returns the
+    rows."""
+    bs = len(lens)
+    rows = torch.randperm(req_to_token.shape[0] - 1, generator=generator)[:bs] + 1
+    tails = [min(tail, n) for n in lens]
+    table = torch.zeros(bs, req_to_token.shape[1], dtype=torch.int64)
+    nxt = 1
+    for i in torch.randperm(bs, generator=generator).tolist():
+        p = lens[i] - tails[i]
+        table[i, :p] = torch.arange(nxt, nxt + p)
+        nxt += p
+    for step in range(max(tails, default=0)):
+        for i in range(bs):
+            if step < tails[i]:
+                table[i, lens[i] - tails[i] + step] = nxt
+                nxt += 1
+    rows = rows.to(req_to_token.device)
+    req_to_token[rows] = table.to(req_to_token.dtype).to(req_to_token.device)
+    return rows
+
+
 @dataclass
 class PagedBatch:
     """q: [num_tokens, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (a view of k_cache
@@ -61,9 +93,12 @@ class PagedBatch:
 
 
 def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=False, dtype=torch.float32,
-               encoder_lens=None, width=None, seed=0, decode=False, page_size=1, kv_dtype=None) -> PagedBatch:
+               encoder_lens=None, width=None, seed=0, decode=False, page_size=1, kv_dtype=None,
+               slot_layout="scattered") -> PagedBatch:
     """Build caches holding each request's tokens at random slots and random rows (with ``page_size`` > 1: random
-    pages, ``assign_paged_requests``). ``kv_dtype``: the caches' dtype (default ``dtype``, the query's).
+    pages, ``assign_paged_requests``; with ``slot_layout="engine"``, page size 1: prompts in runs of consecutive
+    slots and the last ``ENGINE_DECODE_TAIL`` tokens a batch apart, ``assign_engine_requests``). ``kv_dtype``: the
+    caches' dtype (default ``dtype``, the query's).
 
     With ``mla`` the V cache is a view of the first ``dv`` columns of the K (latent) cache. With ``decode`` each
     request has one query (its last position). ``encoder_lens`` tokens are stored before each decoder's tokens.
@@ -87,7 +122,13 @@ def make_batch(seq_lens, prefix_lens=None, *, hq=4, hkv=2, dqk=16, dv=None, mla=
     k_cache = torch.randn(num_slots, hkv, dqk, generator=g).to(kv_dtype)
     v_cache = k_cache[..., :dv] if mla else torch.randn(num_slots, hkv, dv, generator=g).to(kv_dtype)
     table = torch.zeros(bs + 4, width, dtype=torch.int32)
-    if page_size > 1:
+    if slot_layout not in SLOT_LAYOUTS:
+        raise ValueError(f"slot_layout must be one of {SLOT_LAYOUTS}, got {slot_layout!r}")
+    if slot_layout == "engine":
+        if page_size > 1:
+            raise ValueError("slot_layout='engine' lays out a page size of 1; pages are runs already")
+        rows = assign_engine_requests(table, total.tolist(), ENGINE_DECODE_TAIL, g)
+    elif page_size > 1:
         rows = assign_paged_requests(table, num_slots, total.tolist(), page_size, g)
     else:
         rows = assign_requests(table, num_slots, total.tolist(), g)

@@ -21,7 +21,7 @@ from ..decode import build_decode_index, decode_blocks
 from ..kv_dtype import FP8_DTYPES
 from ..metadata import DecodeInputs
 from ..plan import plan_decode
-from .batches import make_batch
+from .batches import ENGINE_DECODE_TAIL, SLOT_LAYOUTS, make_batch
 from .contend import contend, describe
 from .loop_baseline import loop_decode
 from .models import get_attention_shape
@@ -74,12 +74,13 @@ def served_form(compiled, eager, iters: int = 2) -> str:
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
                lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
-               kv_dtype: torch.dtype | None = None) -> dict:
+               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered") -> dict:
     """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
     list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
     after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s).
     ``page_size``: the cache's pages (SGLang's paged layout); ``kv_dtype``: the cache's dtype (default ``dtype``;
-    float8 caches are read with a scale of 0.5, the loop casting and scaling per request)."""
+    float8 caches are read with a scale of 0.5, the loop casting and scaling per request); ``slot_layout``: where
+    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out)."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)
     if lens is None:
@@ -88,7 +89,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
         raise ValueError(f"bench_case: {len(lens)} lens for batch size {bs}")
     kv_dtype = kv_dtype or dtype
     b = make_batch(lens, hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv, mla=shape.mla, dtype=dtype,
-                   seed=seed, decode=True, page_size=page_size, kv_dtype=kv_dtype)
+                   seed=seed, decode=True, page_size=page_size, kv_dtype=kv_dtype, slot_layout=slot_layout)
     q, k_cache, v_cache, table = b.q, b.k_cache, b.v_cache, b.req_to_token
     scale = shape.dqk ** -0.5
     kv_scale = 0.5 if kv_dtype in FP8_DTYPES else None
@@ -119,7 +120,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     times = time_interleaved(fns, warmup=1, iters=iters)
     t = {k: median(v) for k, v in times.items()}
     kv_bytes = sum(lens) * shape.hkv * (shape.dqk + (0 if shape.mla else shape.dv)) * k_cache.element_size()
-    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "page": page_size,
+    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "slots": slot_layout, "page": page_size,
            "kv": str(kv_dtype).replace("torch.", "").replace("float8_", "fp8_"), "loop_ms": t["loop"] * 1e3,
            "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
            "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
@@ -155,6 +156,10 @@ def _parse(argv):
                    help="decode: KV cache page sizes (SGLang --page-size; default 1)")
     p.add_argument("--kv-dtype", nargs="+", default=None, choices=list(KV_DTYPE_NAMES),
                    help="decode: KV cache dtypes (default: --dtype); fp8 caches are read with scale 0.5")
+    p.add_argument("--slot-layout", nargs="+", default=["scattered"], choices=list(SLOT_LAYOUTS),
+                   help="decode and verify: where tokens' KV slots lie: scattered at random (a long-running "
+                        "server's free list), or engine (prompts in runs of consecutive slots, the last "
+                        f"{ENGINE_DECODE_TAIL} decode steps a batch apart, as a fresh SGLang pool hands them out)")
     add_malloc_flag(p)
     return p.parse_args(argv)
 
@@ -171,10 +176,12 @@ def _run_cases(args) -> None:
     extend_ops = [op for op in ops if op in SHAPES]
     if decode_ops:
         kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
-        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True)
+        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True,
+                           slot_layout=layout)
                 for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
-                for page in args.page_size for kv in kv_dtypes]
-        cols = ["op", "bs", "lens", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
+                for layout in args.slot_layout for page in args.page_size for kv in kv_dtypes
+                if not (layout == "engine" and page > 1)]
+        cols = ["op", "bs", "lens", "slots", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
                 "compiled_x", "served", "served_x", "x_read", "compiled_GBps"]
         print(format_table(rows, cols), flush=True)
         print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
@@ -185,8 +192,9 @@ def _run_cases(args) -> None:
         from .ops_verify import COLUMNS as VERIFY_COLUMNS
         from .ops_verify import bench_verify_case
 
-        rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters)
-                for d in args.draft for bs in args.batch_size or [1, 8, 32]]
+        rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters,
+                                  slot_layout=layout)
+                for layout in args.slot_layout for d in args.draft for bs in args.batch_size or [1, 8, 32]]
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
               "masked per-request SDPA loop / verify")

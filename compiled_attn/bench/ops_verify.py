@@ -24,8 +24,8 @@ from .batches import make_batch
 from .models import get_attention_shape
 from .ops import mark_as_bucket
 
-COLUMNS = ["op", "bs", "k", "mask", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms", "x_decode1", "decodek_x",
-           "loop_x", "tokens"]
+COLUMNS = ["op", "bs", "k", "mask", "slots", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms", "x_decode1",
+           "decodek_x", "loop_x", "tokens"]
 
 
 def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
@@ -61,14 +61,15 @@ def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale):
     return torch.cat(out)
 
 
-def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0, name: str = "mha") -> dict:
+def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0, name: str = "mha",
+                      slot_layout: str = "scattered") -> dict:
     """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
     ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop)."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)  # the same prefixes for every k and mask at one batch size
     prefix = torch.randint(256, 2049, (bs,), generator=g)
     b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv,
-                   seed=seed)
+                   seed=seed, slot_layout=slot_layout)
     q, kc, vc, table, rows = b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows
     scale = shape.dqk ** -0.5
     mask = (torch.stack([random_tree(k, g) for _ in range(bs)]) if tree
@@ -99,7 +100,7 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     times = time_interleaved({"verify": run_verify, "decode1": run_decode1, "decodek": run_decodek,
                               "loop": run_loop}, warmup=2, iters=iters)
     t = {n: median(v) for n, v in times.items()}
-    return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain",
+    return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain", "slots": slot_layout,
             "verify_ms": t["verify"] * 1e3, "decode1_ms": t["decode1"] * 1e3, "decodek_ms": t["decodek"] * 1e3,
             "loop_ms": t["loop"] * 1e3, "x_decode1": t["verify"] / t["decode1"],
             "decodek_x": t["decodek"] / t["verify"], "loop_x": t["loop"] / t["verify"],

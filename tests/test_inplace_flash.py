@@ -1,0 +1,136 @@
+"""Keys read in place (``inplace_flash``): runs of consecutive slots as views of the cache, against the float64
+reference, and the layouts that take or skip that path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_attention
+
+import compiled_attn.decode_flash as decode_flash
+import compiled_attn.inplace_flash as inplace_flash
+from compiled_attn import build_decode_index, decode_blocks, plan_decode
+from compiled_attn.bench.batches import make_batch
+from compiled_attn.inplace_flash import MIN_RUN, in_place_share, slot_runs
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_slot_runs_splits_at_every_gap_and_request_end(data):
+    """Runs of consecutive slots, each request's end always a break (a run never spans two requests)."""
+    pieces = data.draw(st.lists(st.tuples(st.integers(0, 500), st.integers(1, 9)), max_size=8))
+    slots = [s + j for s, n in pieces for j in range(n)]
+    ends = sorted(set(data.draw(st.lists(st.integers(0, len(slots)), max_size=4)) + [len(slots)]))
+    bounds, firsts = slot_runs(torch.tensor(slots, dtype=torch.int64), ends)
+    expect = [p for p in range(len(slots)) if p == 0 or slots[p] != slots[p - 1] + 1 or p in ends]
+    assert bounds == expect + [len(slots)]
+    assert firsts == [slots[p] for p in expect]
+
+
+def _spy(monkeypatch):
+    """Count the requests read in place (decode's batch path and the one-request paths call it by these names)."""
+    calls = []
+    real = inplace_flash.runs_attention
+    for module in (decode_flash, inplace_flash):
+        monkeypatch.setattr(module, "runs_attention", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype):
+    """Prompts in runs of consecutive slots and decode steps a batch apart (SGLang's allocator at page size 1):
+    each request's long runs are read as views of the cache, its scattered tail gathered; requests shorter than a
+    run, an empty range and a bucket's padding rows included. Equal to the float64 reference."""
+    calls = _spy(monkeypatch)
+    lens = [700, 90, 30, 300, 1000]
+    b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=3, slot_layout="engine", dtype=dtype)
+    sinks = torch.linspace(-2, 2, 8) if with_sinks else None
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=64,
+                       sliding_window=window, block_capacity=60, batch_capacity=7)
+    q = torch.cat([b.q, b.q[:2]])  # two padded rows, as in a graph bucket: row 0, empty range
+    out = decode_blocks(q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.2,
+                        cpu_flash=True, sinks=sinks)
+    assert calls, "the in-place path was not taken"
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.2, sinks=sinks, sliding_window=window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:len(lens)].double(), ref, atol=tol, rtol=tol)
+    assert (out[len(lens):] == 0).all()
+
+
+@pytest.mark.parametrize("length", [40, 130, 1500])
+def test_one_request_in_place(monkeypatch, length):
+    """A batch of one (the host-built index's ``single`` slots): its decode steps follow its prompt, one run in
+    all, read in place from ``MIN_RUN`` slots on."""
+    calls = _spy(monkeypatch)
+    b = make_batch([length], hq=4, hkv=2, dqk=16, decode=True, seed=4, slot_layout="engine")
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25)
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert bool(calls) == (length >= MIN_RUN)
+
+
+@pytest.mark.parametrize("page_size, taken", [(16, False), (64, False), (128, True), (256, True)])
+def test_pages_of_a_run_or_more_are_read_in_place(monkeypatch, page_size, taken):
+    """Random pages: a page of ``MIN_RUN`` slots or more is a run by itself; smaller pages are gathered."""
+    calls = _spy(monkeypatch)
+    lens = [400, 150, 999]
+    b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=5, page_size=page_size)
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, page_size=page_size)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size), 0.2,
+                        cpu_flash=True)
+    assert bool(calls) == taken
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["scattered", "float8", "kv_scale", "fp32_query_bf16_cache"])
+def test_what_is_not_read_in_place(monkeypatch, case):
+    """Scattered slots (the share in long runs under one half), and caches the kernel cannot read as they are (a
+    dtype other than the query's, a dequantisation scale) take the gathering paths, with the same answer."""
+    calls = _spy(monkeypatch)
+    kv = {"float8": torch.float8_e4m3fn, "fp32_query_bf16_cache": torch.bfloat16}.get(case)
+    b = make_batch([500, 300], hq=4, hkv=2, dqk=16, decode=True, seed=6, kv_dtype=kv,
+                   slot_layout="scattered" if case == "scattered" else "engine")
+    scale = 0.5 if case in ("float8", "kv_scale") else None
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25,
+                        cpu_flash=True, k_scale=scale, v_scale=scale)
+    assert not calls
+    k, v = (c.double() * (scale or 1.0) for c in (b.k_cache, b.v_cache))
+    ref = reference_attention(b.q, k, v, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens, scale=0.25)
+    tol = 1e-5 if kv is None else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_in_place_share():
+    # runs of MIN_RUN, 1 and 2 * MIN_RUN slots: the first and the last are long
+    assert in_place_share([0, MIN_RUN, MIN_RUN + 1, 3 * MIN_RUN + 1]) == pytest.approx(3 * MIN_RUN / (3 * MIN_RUN + 1))
+    assert in_place_share([0, 3, 9]) == 0.0 and in_place_share([0]) == 0.0
+
+
+@pytest.mark.parametrize("prefix", [[700, 5, 130, 0, 900], [300]], ids=["batch", "single"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_verify_reads_prefixes_in_place(monkeypatch, prefix, tree):
+    """Speculative verify over prompts in runs of slots: each request's prefix read in place by the flash form
+    (a batch, and a batch of one through its host slots), equal to the float64 reference."""
+    from test_verify import random_trees, reference_verify
+
+    from compiled_attn.verify import chain_mask, verify_attention
+
+    calls = _spy(monkeypatch)
+    k = 4
+    prefix = torch.tensor(prefix, dtype=torch.int64)
+    b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=8, hkv=2, dqk=16, seed=7, slot_layout="engine")
+    masks = random_trees(len(prefix), k, torch.Generator().manual_seed(2)) if tree else chain_mask(len(prefix), k)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
+                           masks.reshape(-1) if tree else None, cpu_flash=True)
+    assert calls, "no prefix was read in place"
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
