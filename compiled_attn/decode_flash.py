@@ -19,8 +19,6 @@ takes one of four paths, all returning the same result up to float rounding:
 """
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 from .block_flash import (
@@ -32,14 +30,7 @@ from .block_flash import (
     sequence_attention,
     slots_attention,
 )
-from .inplace_flash import (
-    MIN_IN_PLACE_SHARE,
-    in_place_share,
-    reads_in_place,
-    request_in_place,
-    runs_attention,
-    slot_runs,
-)
+from .inplace_flash import reads_in_place, request_in_place, requests_in_place
 from .merge import apply_sinks, merge_partials
 from .opaque import opaque_op
 
@@ -68,7 +59,8 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     q = q.contiguous()  # the ATen kernel reads q through its strides unchecked
     scales = (k_scale, v_scale)
     if reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):
-        found = _requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit)
+        found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks * valid.shape[1],
+                                  unit)
         if found is not None:
             return apply_sinks(*found, sinks)
     if bs == 1:
@@ -126,39 +118,6 @@ def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _decode_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit=1, k_scale=1.0,
                        v_scale=1.0, sinks=None):
     return q.new_empty(q.shape, dtype=torch.float32)
-
-
-def position_slots(runs: torch.Tensor, unit: int, shape: torch.Size) -> torch.Tensor:
-    """The slot of every block position, ``shape`` = valid's ``[nblk, block_size]``, from ``runs`` (slots, or with
-    ``unit`` > 1 the index of each run of ``unit`` consecutive slots)."""
-    if unit == 1:
-        return runs
-    return (runs[:, :, None] * unit + torch.arange(unit, device=runs.device)).reshape(shape)
-
-
-def _requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit):
-    """Each request's keys as runs of consecutive slots (``inplace_flash``), one request at a time, when most keys
-    lie in long runs; None otherwise (the gathering paths then run). -> o [bs, Hkv, group, D] float32, lse."""
-    bs, block_size = q.shape[0], valid.shape[1]
-    flat_valid = valid.reshape(-1)
-    slots = position_slots(runs, unit, valid.shape).reshape(-1)[flat_valid]  # each request's keys, end to end
-    per_block = valid.sum(1)
-    lens = per_block.new_zeros(bs + 1).index_add_(0, block_req, per_block)[:bs]
-    ends = torch.cumsum(lens, 0).tolist()
-    bounds, firsts = slot_runs(slots, ends)
-    if in_place_share(bounds) < MIN_IN_PLACE_SHARE:
-        return None
-    o = q.new_zeros(q.shape, dtype=torch.float32)
-    lse = torch.full(q.shape[:3], torch.finfo(torch.float32).min, dtype=torch.float32)
-    j = 0  # the first run of request i
-    for i, end in enumerate(ends):
-        if bounds[j] == end:  # no key: zeros, and a lse the sinks outweigh
-            continue
-        last = bisect.bisect_left(bounds, end, j)  # bounds[last] == end: a request's end ends a run
-        o[i], lse[i] = (t[0] for t in runs_attention(q[i:i + 1], k_cache, v_cache, slots, bounds[j:last + 1],
-                                                      firsts[j:last], scale, chunk_blocks * block_size))
-        j = last
-    return o, lse
 
 
 def _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales):

@@ -10,9 +10,12 @@ slot outside the request's range is ever touched.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from .block_flash import _flash_cpu, slots_attention
+from .block_flash import _flash_cpu, _gather_kv, slots_attention
+from .merge import merge_normalised_rows
 
 #: runs of at least this many consecutive slots are read in place. Per key, a kernel call on a run of 64 slots cost
 #: 1.7x (float32) and 2.9x (bf16) one on a run of 1024, and for bf16 more than gathering those keys; from 128 on
@@ -20,6 +23,10 @@ from .block_flash import _flash_cpu, slots_attention
 MIN_RUN = 128
 #: the in-place form is taken when at least this share of a batch's keys lies in such runs
 MIN_IN_PLACE_SHARE = 0.5
+#: the requests' keys outside long runs (decode steps' scattered slots) go through one padded kernel call when that
+#: computes at most this multiple of them and their float32 K fits ``REST_BYTES``; else each request's in chunks
+REST_PAD_WASTE = 1.5
+REST_BYTES = 4 << 20
 
 
 def reads_in_place(q_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
@@ -51,16 +58,21 @@ def in_place_share(bounds: list[int]) -> float:
     return long / n if n else 0.0
 
 
-def runs_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   bounds: list[int], first_slots: list[int], scale: float, chunk_tokens: int,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's queries over its keys, given as runs (``slot_runs`` over its ``slots``: [n] host int64, n >= 1,
-    position order): runs of ``MIN_RUN`` slots or more in place, the rest gathered in chunks of ``chunk_tokens``.
+def position_slots(runs: torch.Tensor, unit: int, shape: torch.Size) -> torch.Tensor:
+    """The slot of every block position, ``shape`` = a block table's ``valid`` ``[nblk, block_size]``, from ``runs``
+    (slots, or with ``unit`` > 1 the index of each run of ``unit`` consecutive slots)."""
+    if unit == 1:
+        return runs
+    return (runs[:, :, None] * unit + torch.arange(unit, device=runs.device)).reshape(shape)
 
-    q: [1, Hkv, R, D] in the kernel's dtype (the caches' where they are read in place: ``reads_in_place``);
-    returns o: [1, Hkv, R, D] float32 normalised, lse: [1, Hkv, R] float32.
-    """
-    q = q.contiguous()  # the kernel reads q through its strides unchecked
+
+def run_parts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              bounds: list[int], first_slots: list[int], scale: float
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+    """One request's runs (``slot_runs`` over ``slots``; ``bounds`` its runs' starts and its end, positions into
+    ``slots``): each run of ``MIN_RUN`` slots or more as a kernel call on views of the caches -> (its normalised
+    partials ``(o [1, Hkv, R, D], lse [1, Hkv, R])``, the slots of the request's other keys or None).
+    q: [1, Hkv, R, D] contiguous, in the caches' dtype (``reads_in_place``)."""
     parts, rest = [], []
     for (a, b), first in zip(zip(bounds[:-1], bounds[1:], strict=True), first_slots, strict=True):
         if b - a >= MIN_RUN:
@@ -69,24 +81,97 @@ def runs_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             parts.append(_flash_cpu(q, k, v, 0.0, False, scale=scale)[:2])
         else:
             rest.append(slots[a:b])
-    if rest:
-        scattered = torch.cat(rest) if len(rest) > 1 else rest[0]
-        for c in range(0, scattered.shape[0], chunk_tokens):
-            parts.append(slots_attention(q, k_cache, v_cache, scattered[c:c + chunk_tokens], scale, k_scale, v_scale))
-    return merge_normalised(parts)
+    return parts, (torch.cat(rest) if len(rest) > 1 else rest[0]) if rest else None
 
 
 def request_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float,
                      chunk_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``runs_attention`` over one request's ``slots`` ([n] host int64, n >= 1) when the kernel can read the caches
-    as they are and at least ``MIN_IN_PLACE_SHARE`` of the keys lie in long runs; None otherwise (gather them)."""
+    """One request's queries (q: [1, Hkv, R, D]) over its keys at ``slots`` ([n] host int64, n >= 1, position
+    order), its long runs in place and the rest gathered in chunks of ``chunk_tokens``, when the kernel can read the
+    caches as they are and at least ``MIN_IN_PLACE_SHARE`` of the keys lie in long runs; None otherwise (gather
+    them all). -> o [1, Hkv, R, D] float32 normalised, lse [1, Hkv, R]."""
     if not reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):
         return None
     bounds, firsts = slot_runs(slots, [slots.shape[0]])
     if in_place_share(bounds) < MIN_IN_PLACE_SHARE:
         return None
-    return runs_attention(q, k_cache, v_cache, slots, bounds, firsts, scale, chunk_tokens, k_scale, v_scale)
+    q = q.contiguous()  # the kernel reads q through its strides unchecked
+    parts, rest = run_parts(q, k_cache, v_cache, slots, bounds, firsts, scale)
+    if rest is not None:
+        parts += [slots_attention(q, k_cache, v_cache, rest[c:c + chunk_tokens], scale)
+                  for c in range(0, rest.shape[0], chunk_tokens)]
+    return merge_normalised(parts)
+
+
+def requests_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
+                      valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A batch's queries over its block table (decode's or verify's ``DecodeIndex``: ``runs`` [nblk, block_size //
+    unit], ``valid`` [nblk, block_size], ``block_req`` [nblk], a request's valid positions one range of its
+    consecutive blocks), each request's long runs in place and all requests' other keys in one padded kernel call,
+    when the kernel can read the caches as they are (the caller checks ``reads_in_place``) and at least
+    ``MIN_IN_PLACE_SHARE`` of the batch's keys lie in long runs; None otherwise.
+
+    q: [bs, Hkv, R, D] in the caches' dtype -> o [bs, Hkv, R, D] float32 normalised (zeros for a request with no
+    key), lse [bs, Hkv, R] (the float32 minimum there)."""
+    bs = q.shape[0]
+    slots = position_slots(runs, unit, valid.shape).reshape(-1)[valid.reshape(-1)]  # each request's keys, in turn
+    per_block = valid.sum(1)
+    ends = torch.cumsum(per_block.new_zeros(bs + 1).index_add_(0, block_req, per_block)[:bs], 0).tolist()
+    bounds, firsts = slot_runs(slots, ends)
+    if in_place_share(bounds) < MIN_IN_PLACE_SHARE:
+        return None
+    q = q.contiguous()  # the kernel reads q through its strides unchecked
+    outs, lses, part_rows = [], [], []  # every partial, and the request it belongs to
+    rest_rows, rests = [], []
+    j = 0  # the first run of request i
+    for i, end in enumerate(ends):
+        if bounds[j] == end:  # no key
+            continue
+        last = bisect.bisect_left(bounds, end, j)  # bounds[last] == end: a request's end ends a run
+        parts, rest = run_parts(q[i:i + 1], k_cache, v_cache, slots, bounds[j:last + 1], firsts[j:last], scale)
+        for o, lse in parts:
+            outs.append(o)
+            lses.append(lse)
+            part_rows.append(i)
+        if rest is not None:
+            rest_rows.append(i)
+            rests.append(rest)
+        j = last
+    if rests:
+        o, lse = _rests_attention(q, k_cache, v_cache, rest_rows, rests, scale, chunk_tokens)
+        outs.append(o)
+        lses.append(lse)
+        part_rows += rest_rows
+    return merge_normalised_rows(torch.cat(outs), torch.cat(lses), torch.tensor(part_rows), bs)
+
+
+def _rests_attention(q, k_cache, v_cache, rows: list[int], rests: list[torch.Tensor], scale: float,
+                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests ``rows``' keys outside long runs (``rests``: slots, position order): one gather and one kernel
+    call for all, each padded to the longest with its own last key masked out, when that pads at most
+    ``REST_PAD_WASTE``x and fits ``REST_BYTES``; else each request's in chunks. -> (o, lse), a partial per row."""
+    lens = [r.shape[0] for r in rests]
+    width, hkv, d = max(lens), k_cache.shape[1], k_cache.shape[2]
+    if len(rests) * width > REST_PAD_WASTE * sum(lens) or len(rests) * width * hkv * d * 4 > REST_BYTES:
+        parts = []
+        for i, r in zip(rows, rests, strict=True):
+            chunks = range(0, r.shape[0], chunk_tokens)
+            parts.append(merge_normalised([slots_attention(q[i:i + 1], k_cache, v_cache, r[c:c + chunk_tokens],
+                                                           scale) for c in chunks]))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    n = torch.tensor(lens)
+    starts = torch.cumsum(n, 0) - n
+    # a padding position repeats the request's last key (finite data it owns), masked out below
+    pos = starts[:, None] + torch.minimum(torch.arange(width)[None, :], (n - 1)[:, None])
+    k, v = _gather_kv(k_cache, v_cache, torch.cat(rests)[pos].reshape(-1), 1, len(rests), width, q.dtype, 1.0, 1.0)
+    bias = None
+    if min(lens) < width:
+        keep = torch.arange(width)[None, :] < n[:, None]
+        bias = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
+    o, lse = _flash_cpu(q[rows], k, v, 0.0, False, attn_mask=bias, scale=scale)[:2]
+    return o, lse
 
 
 def merge_normalised(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,3 +50,19 @@ def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
     den = w_a + w_b
     o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None])
     return o, m + torch.log(den)
+
+
+def merge_normalised_rows(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, num_rows: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised partial softmaxes, each of one output row (``rows``: [P] int64), merged per row in one pass.
+
+    o: [P, ...R, D] (any float dtype); lse: [P, ...R] float32 -> (o [num_rows, ...R, D] float32, lse [num_rows,
+    ...R]); a row with no partial gets zeros and the float32 minimum as its lse."""
+    lowest = torch.finfo(torch.float32).min
+    m = torch.full((num_rows, *lse.shape[1:]), lowest, dtype=torch.float32, device=lse.device)
+    m = m.scatter_reduce(0, rows.view(-1, *[1] * (lse.dim() - 1)).expand_as(lse), lse, reduce="amax")
+    w = torch.exp(lse - m.index_select(0, rows))
+    den = torch.zeros_like(m).index_add_(0, rows, w)
+    acc = o.new_zeros((num_rows, *o.shape[1:]), dtype=torch.float32).index_add_(0, rows, o.float() * w[..., None])
+    den = den.clamp_min(torch.finfo(torch.float32).tiny)
+    return acc / den[..., None], (m + torch.log(den)).clamp_min(lowest)

@@ -11,8 +11,8 @@ import torch
 
 from .block_flash import _flash_cpu, _gather_kv, slots_attention
 from .decode import DecodeIndex
-from .decode_flash import one_call_fits, position_slots
-from .inplace_flash import reads_in_place, request_in_place
+from .decode_flash import one_call_fits
+from .inplace_flash import reads_in_place, request_in_place, requests_in_place
 from .kv_dtype import compute_dtype, scale_pair
 from .merge import merge_two
 from .opaque import opaque_op
@@ -58,8 +58,14 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the blocks' outputs are concatenated and merged again. A request's blocks are consecutive and, from position 0,
     its valid keys one run of positions; so each chunk is one gather and one unmasked kernel call (the last chunk
     trimmed to the valid length) with the request's queries as they are, merged into a running log-sum-exp.
-    Host reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as ``decode_flash``), never a sync.
+    Where most keys lie in long runs of slots and the caches need no conversion, ``inplace_flash.requests_in_place``
+    reads those runs in place instead. Host reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as
+    ``decode_flash``), never a sync.
     """
+    if reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):  # keys in long runs of slots: inplace_flash
+        found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit)
+        if found is not None:
+            return found
     bs, blocks = q.shape[0], valid.shape
     lens = valid.sum(1).new_zeros(bs + 1).index_add_(0, block_req, valid.sum(1))[:bs].tolist()
     nblocks = torch.bincount(block_req, minlength=bs + 1)[:bs]
@@ -67,16 +73,8 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     flat = runs.reshape(-1)
     o = q.new_zeros(q.shape, dtype=torch.float32)
     lse = torch.full(q.shape[:3], _LOWEST, dtype=torch.float32, device=q.device)
-    # keys lying in long runs of slots are read in place (inplace_flash), per request
-    slots = position_slots(runs, unit, blocks).reshape(-1) if reads_in_place(q.dtype, k_cache, v_cache, k_scale,
-                                                                              v_scale) else None
     for b, (n, start) in enumerate(zip(lens, firsts, strict=True)):
         q_b = q[b:b + 1]
-        found = None if slots is None or n == 0 else request_in_place(
-            q_b, k_cache, v_cache, slots[start:start + n], scale, chunk_tokens)
-        if found is not None:
-            o[b], lse[b] = found[0][0], found[1][0]
-            continue
         for c0 in range(0, n, chunk_tokens):
             c1 = min(n, c0 + chunk_tokens)
             r0, r1 = (start + c0) // unit, -(-(start + c1) // unit)  # start and c0 are multiples of unit

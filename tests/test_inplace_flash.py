@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_attention
 
-import compiled_attn.decode_flash as decode_flash
 import compiled_attn.inplace_flash as inplace_flash
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
@@ -29,21 +28,24 @@ def test_slot_runs_splits_at_every_gap_and_request_end(data):
 
 
 def _spy(monkeypatch):
-    """Count the requests read in place (decode's batch path and the one-request paths call it by these names)."""
+    """Count the requests read as runs of slots."""
     calls = []
-    real = inplace_flash.runs_attention
-    for module in (decode_flash, inplace_flash):
-        monkeypatch.setattr(module, "runs_attention", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    real = inplace_flash.run_parts
+    monkeypatch.setattr(inplace_flash, "run_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
 @pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype):
+@pytest.mark.parametrize("rests", ["one_call", "per_request"])
+def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype, rests):
     """Prompts in runs of consecutive slots and decode steps a batch apart (SGLang's allocator at page size 1):
-    each request's long runs are read as views of the cache, its scattered tail gathered; requests shorter than a
-    run, an empty range and a bucket's padding rows included. Equal to the float64 reference."""
+    each request's long runs are read as views of the cache, the requests' scattered tails gathered into one padded
+    kernel call (or, past its size limit, each request's own); requests shorter than a run, an empty range and a
+    bucket's padding rows included. Equal to the float64 reference."""
+    if rests == "per_request":
+        monkeypatch.setattr(inplace_flash, "REST_BYTES", 0)
     calls = _spy(monkeypatch)
     lens = [700, 90, 30, 300, 1000]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=3, slot_layout="engine", dtype=dtype)
@@ -134,3 +136,23 @@ def test_verify_reads_prefixes_in_place(monkeypatch, prefix, tree):
     assert calls, "no prefix was read in place"
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_merge_as_one_at_a_time():
+    """``merge_normalised_rows`` (every partial of a batch in one pass) equals merging each row's partials alone;
+    a row with none gets zeros and the float32 minimum."""
+    from compiled_attn.inplace_flash import merge_normalised
+    from compiled_attn.merge import merge_normalised_rows
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.tensor([2, 0, 2, 2, 0, 3])
+    o, lse = torch.randn(6, 2, 3, 4, generator=g), torch.randn(6, 2, 3, generator=g) * 5
+    got_o, got_lse = merge_normalised_rows(o, lse, rows, 5)
+    for r in range(5):
+        mine = (rows == r).nonzero().squeeze(1).tolist()
+        if not mine:
+            assert (got_o[r] == 0).all() and (got_lse[r] == torch.finfo(torch.float32).min).all()
+            continue
+        want_o, want_lse = merge_normalised([(o[i:i + 1], lse[i:i + 1]) for i in mine])
+        torch.testing.assert_close(got_o[r:r + 1], want_o, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got_lse[r:r + 1], want_lse, atol=1e-6, rtol=1e-6)

@@ -12,17 +12,15 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang_compare import run_forward  # noqa: E402
 
-import compiled_attn.decode_flash as decode_flash  # noqa: E402
 import compiled_attn.inplace_flash as inplace_flash  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
-    calls = []  # one per request read as runs (decode's batch path and the one-request path)
-    real = inplace_flash.runs_attention
-    for module in (decode_flash, inplace_flash):
-        monkeypatch.setattr(module, "runs_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = []  # one per request read as runs of slots
+    real = inplace_flash.run_parts
+    monkeypatch.setattr(inplace_flash, "run_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = H.GEOMETRIES["gqa"]
     outs = []
     for make in (H.make_torch_native_backend, CompiledAttnBackend):

@@ -151,7 +151,7 @@ def _parse(argv):
                    help="N processes spin on the CPU while timing (default 0)")
     p.add_argument("--iters", type=int_at_least(1), default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="query (model) dtype")
+                   help="query (model) dtype; verify: the model's and its cache's")
     p.add_argument("--page-size", nargs="+", type=int_at_least(1), default=[1],
                    help="decode: KV cache page sizes (SGLang --page-size; default 1)")
     p.add_argument("--kv-dtype", nargs="+", default=None, choices=list(KV_DTYPE_NAMES),
@@ -193,7 +193,7 @@ def _run_cases(args) -> None:
         from .ops_verify import bench_verify_case
 
         rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters,
-                                  slot_layout=layout)
+                                  slot_layout=layout, dtype=dtype)
                 for layout in args.slot_layout for d in args.draft for bs in args.batch_size or [1, 8, 32]]
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
