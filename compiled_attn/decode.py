@@ -30,8 +30,9 @@ from . import validate
 from .block_flash import chunk_blocks_for, supports_block_flash
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
 from .decode_fused import choose_fused, grouped_queries, used_block_partials
+from .inplace_flash import index_in_place
 from .kv_dtype import compute_dtype, dequantize, scale_pair
-from .merge import merge_partials
+from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
 from .opaque import opaque_op
 
@@ -304,6 +305,11 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     compiling = torch.compiler.is_compiling()
     scales = scale_pair(k_scale, v_scale)
+    if not compiling:  # keys in long runs of slots read in place, the runs found once per step (inplace_flash)
+        found = index_in_place(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index, scale,
+                               chunk_blocks_for(block_size, hkv, d) * block_size, *scales)
+        if found is not None:
+            return apply_sinks(*found, sinks).reshape(bs, hq, d).to(q.dtype)
     if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
         o = single_request_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.single, scale,
                                  block_size, *scales, sinks)

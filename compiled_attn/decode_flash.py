@@ -6,9 +6,10 @@ block merge's dozen small ops, the per-block query copy), so a live engine at ba
 per-request loop. The op reads the block table on the host (a CPU tensor in a CPU-only op: no device sync) and
 takes one of four paths, all returning the same result up to float rounding:
 
-- **keys in place**: where the kernel can read the cache as it is and at least half the batch's keys lie in runs of
-  ``inplace_flash.MIN_RUN`` consecutive slots or more (a prompt as SGLang's allocator hands it out, pages), each
-  request's long runs are kernel calls on views of the cache and only its other keys are gathered.
+- **keys in place** (first, in the op; eagerly ``decode._decode_flash`` looks once per step): where the kernel can
+  read the cache as it is and at least half the batch's keys lie in runs of ``inplace_flash.MIN_RUN`` consecutive
+  slots or more (a prompt as SGLang's allocator hands it out, pages), each request's long runs are kernel calls on
+  views of the cache and only the other keys are gathered.
 - **one request**: its blocks laid end to end are one sequence, run as one kernel call without a mask; past
   ``SINGLE_REQUEST_CHUNKS`` L2 chunks the sequence is cut into equal segments of at most that size whose
   results are merged by their log-sum-exp (no step in time per token where a longer request switched to the
@@ -30,7 +31,7 @@ from .block_flash import (
     sequence_attention,
     slots_attention,
 )
-from .inplace_flash import reads_in_place, request_in_place, requests_in_place
+from .inplace_flash import requests_in_place
 from .merge import apply_sinks, merge_partials
 from .opaque import opaque_op
 
@@ -58,11 +59,6 @@ def decode_flash_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     bs = q.shape[0]
     q = q.contiguous()  # the ATen kernel reads q through its strides unchecked
     scales = (k_scale, v_scale)
-    if reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):
-        found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks * valid.shape[1],
-                                  unit)
-        if found is not None:
-            return apply_sinks(*found, sinks)
     if bs == 1:
         o, lse = _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit, scales)
         return apply_sinks(o, lse, sinks)
@@ -99,9 +95,7 @@ def single_request_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return None
     if n == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
-    chunk = chunk_blocks_for(block_size, k_cache.shape[1], k_cache.shape[2]) * block_size
-    found = request_in_place(q, k_cache, v_cache, slots, scale, chunk, k_scale, v_scale)
-    o, lse = found if found is not None else slots_attention(q, k_cache, v_cache, slots, scale, k_scale, v_scale)
+    o, lse = slots_attention(q, k_cache, v_cache, slots, scale, k_scale, v_scale)
     return apply_sinks(o, lse, sinks)
 
 
@@ -109,7 +103,12 @@ def single_request_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                  valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_blocks: int, unit: int = 1,
                  k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``decode_flash_eager`` as one opaque op for ``torch.compile`` (``opaque.py``)."""
+    """``decode_flash_eager`` as one opaque op for ``torch.compile`` (``opaque.py``), keys in long runs of slots
+    read in place first (``inplace_flash``; eager callers look for them once per step, ``index_in_place``)."""
+    found = requests_in_place(q.contiguous(), k_cache, v_cache, runs, valid, block_req, scale,
+                              chunk_blocks * valid.shape[1], unit, k_scale, v_scale)
+    if found is not None:
+        return apply_sinks(*found, sinks)
     return decode_flash_eager(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit, k_scale,
                               v_scale, sinks)
 

@@ -10,7 +10,7 @@ slot outside the request's range is ever touched.
 """
 from __future__ import annotations
 
-import bisect
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,9 @@ from .merge import merge_normalised_rows
 MIN_RUN = 128
 #: the in-place form is taken when at least this share of a batch's keys lies in such runs
 MIN_IN_PLACE_SHARE = 0.5
+#: the in-place form is looked for from this many bytes of K on: finding the runs costs a few dozen small ops (tens
+#: of us), about what gathering 1 MiB costs (a tiny model's batch of one at 1k tokens gathers 128 KiB)
+MIN_IN_PLACE_BYTES = 1 << 20
 #: the requests' keys outside long runs (decode steps' scattered slots) go through one padded kernel call when that
 #: computes at most this multiple of them and their float32 K fits ``REST_BYTES``; else each request's in chunks
 REST_PAD_WASTE = 1.5
@@ -30,32 +33,60 @@ REST_BYTES = 4 << 20
 
 
 def reads_in_place(q_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-                   v_scale: float) -> bool:
-    """The kernel can read the caches as they are: the query's dtype, no dequantisation scale, each slot's
-    ``[Hkv, D]`` rows contiguous (what a view ``cache[s:e]`` must give the kernel, as a gathered tile does)."""
-    return all(c.dtype == q_dtype and c.stride(2) == 1 and c.stride(1) == c.shape[2] and c.device.type == "cpu"
-               for c in (k_cache, v_cache)) and k_scale == 1.0 and v_scale == 1.0
+                   v_scale: float, keys: int) -> bool:
+    """Whether to look for runs: the kernel can read the caches as they are (the query's dtype, no dequantisation
+    scale, each slot's ``[Hkv, D]`` rows contiguous, as a view ``cache[s:e]`` must give them) and the batch's K
+    (``keys`` slots at most) is worth not copying: at least ``MIN_IN_PLACE_BYTES``."""
+    return (keys * k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size() >= MIN_IN_PLACE_BYTES
+            and k_scale == 1.0 and v_scale == 1.0
+            and all(c.dtype == q_dtype and c.stride(2) == 1 and c.stride(1) == c.shape[2] and c.device.type == "cpu"
+                    for c in (k_cache, v_cache)))
 
 
-def slot_runs(slots: torch.Tensor, ends: list[int]) -> tuple[list[int], list[int]]:
-    """Where ``slots`` (host int64 ``[n]``, several requests' keys end to end, request ``i`` ending at ``ends[i]``)
-    breaks into runs of consecutive slots -> (bounds: every run's start position and ``n`` last, first_slots: each
-    run's first slot). A request's end always ends a run."""
+@dataclass
+class KeyRuns:
+    """A batch's keys split for ``requests_in_place``: the long runs, read in place, and the rest, gathered.
+
+    runs: (request, first slot, length) of every run of at least ``MIN_RUN`` consecutive slots
+    rest: [m] int64 host, the other keys' slots, request by request, each in position order
+    rest_counts: how many of ``rest`` each request has
+    """
+
+    runs: list[tuple[int, int, int]]
+    rest: torch.Tensor
+    rest_counts: list[int]
+
+
+def key_runs(slots: torch.Tensor, lens: list[int]) -> KeyRuns | None:
+    """Split ``slots`` ([n] host int64: the batch's keys end to end, request ``i`` holding ``lens[i]`` of them in
+    position order) into runs of consecutive slots (a request's end always ending one); None when under
+    ``MIN_IN_PLACE_SHARE`` of the keys lie in runs of ``MIN_RUN`` or more. Tensor ops over the batch and lists of
+    the long runs only: a scattered layout (a run per key) costs a few ops, not a Python step per key."""
     n = slots.shape[0]
-    if n == 0:
-        return [0], []
+    if n < MIN_RUN:
+        return None
+    if len(lens) == 1:  # a batch of one: decoding alone, its keys are often one run (three ops to tell)
+        first = int(slots[0])
+        if int(slots[-1]) - first == n - 1 and torch.equal(slots, torch.arange(first, first + n)):
+            return KeyRuns([(0, first, n)], slots[:0], [0])
     brk = torch.ones(n, dtype=torch.bool)
-    brk[1:] = slots[1:] != slots[:-1] + 1
-    brk[[e for e in ends[:-1] if e < n]] = True
+    torch.ne(slots[1:], slots[:-1] + 1, out=brk[1:])
+    # quick refusal (scattered slots): keys in long runs need at least that many, less a key per run, consecutive
+    if n - int(brk.sum()) < MIN_IN_PLACE_SHARE * n - n / MIN_RUN:
+        return None
+    count = torch.tensor(lens, dtype=torch.int64)
+    ends = torch.cumsum(count, 0)
+    brk[ends[:-1][ends[:-1] < n]] = True
     starts = brk.nonzero().squeeze(1)
-    return [*starts.tolist(), n], slots[starts].tolist()
-
-
-def in_place_share(bounds: list[int]) -> float:
-    """The share of keys lying in runs of at least ``MIN_RUN`` slots (``slot_runs``' bounds)."""
-    n = bounds[-1]
-    long = sum(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b - a >= MIN_RUN)
-    return long / n if n else 0.0
+    lengths = torch.diff(starts, append=starts.new_tensor([n]))
+    long = lengths >= MIN_RUN
+    if int(lengths[long].sum()) < MIN_IN_PLACE_SHARE * n:
+        return None
+    request = torch.repeat_interleave(torch.arange(len(lens)), count)  # [n] each key's request
+    rest = ~torch.repeat_interleave(long, lengths)
+    firsts = starts[long]
+    runs = list(zip(request[firsts].tolist(), slots[firsts].tolist(), lengths[long].tolist(), strict=True))
+    return KeyRuns(runs, slots[rest], torch.bincount(request[rest], minlength=len(lens)).tolist())
 
 
 def position_slots(runs: torch.Tensor, unit: int, shape: torch.Size) -> torch.Tensor:
@@ -66,112 +97,96 @@ def position_slots(runs: torch.Tensor, unit: int, shape: torch.Size) -> torch.Te
     return (runs[:, :, None] * unit + torch.arange(unit, device=runs.device)).reshape(shape)
 
 
-def run_parts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              bounds: list[int], first_slots: list[int], scale: float
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
-    """One request's runs (``slot_runs`` over ``slots``; ``bounds`` its runs' starts and its end, positions into
-    ``slots``): each run of ``MIN_RUN`` slots or more as a kernel call on views of the caches -> (its normalised
-    partials ``(o [1, Hkv, R, D], lse [1, Hkv, R])``, the slots of the request's other keys or None).
-    q: [1, Hkv, R, D] contiguous, in the caches' dtype (``reads_in_place``)."""
-    parts, rest = [], []
-    for (a, b), first in zip(zip(bounds[:-1], bounds[1:], strict=True), first_slots, strict=True):
-        if b - a >= MIN_RUN:
-            k = k_cache[first:first + b - a].unsqueeze(0).transpose(1, 2)  # [1, Hkv, n, D], the gathered strides
-            v = v_cache[first:first + b - a].unsqueeze(0).transpose(1, 2)
-            parts.append(_flash_cpu(q, k, v, 0.0, False, scale=scale)[:2])
-        else:
-            rest.append(slots[a:b])
-    return parts, (torch.cat(rest) if len(rest) > 1 else rest[0]) if rest else None
-
-
-def request_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                     chunk_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One request's queries (q: [1, Hkv, R, D]) over its keys at ``slots`` ([n] host int64, n >= 1, position
-    order), its long runs in place and the rest gathered in chunks of ``chunk_tokens``, when the kernel can read the
-    caches as they are and at least ``MIN_IN_PLACE_SHARE`` of the keys lie in long runs; None otherwise (gather
-    them all). -> o [1, Hkv, R, D] float32 normalised, lse [1, Hkv, R]."""
-    if not reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):
-        return None
-    bounds, firsts = slot_runs(slots, [slots.shape[0]])
-    if in_place_share(bounds) < MIN_IN_PLACE_SHARE:
-        return None
-    q = q.contiguous()  # the kernel reads q through its strides unchecked
-    parts, rest = run_parts(q, k_cache, v_cache, slots, bounds, firsts, scale)
-    if rest is not None:
-        parts += [slots_attention(q, k_cache, v_cache, rest[c:c + chunk_tokens], scale)
-                  for c in range(0, rest.shape[0], chunk_tokens)]
-    return merge_normalised(parts)
-
-
 def requests_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
-                      valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A batch's queries over its block table (decode's or verify's ``DecodeIndex``: ``runs`` [nblk, block_size //
-    unit], ``valid`` [nblk, block_size], ``block_req`` [nblk], a request's valid positions one range of its
-    consecutive blocks), each request's long runs in place and all requests' other keys in one padded kernel call,
-    when the kernel can read the caches as they are (the caller checks ``reads_in_place``) and at least
-    ``MIN_IN_PLACE_SHARE`` of the batch's keys lie in long runs; None otherwise.
+                      valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A batch's queries over its block table (decode's or verify's ``DecodeIndex`` tensors: ``runs`` [nblk,
+    block_size // unit], ``valid`` [nblk, block_size], ``block_req`` [nblk], a request's valid positions one range
+    of its consecutive blocks) with the long runs read in place (``attend_runs``), where ``reads_in_place`` and at
+    least ``MIN_IN_PLACE_SHARE`` of the keys lie in long runs; None otherwise. What the CPU ops run when called
+    from compiled code; eager callers use ``index_in_place`` (the runs found once per step)."""
+    if not reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale, valid.numel()):
+        return None
+    found = _table_key_runs(runs, valid, block_req, q.shape[0], unit)
+    return None if found is None else attend_runs(q, k_cache, v_cache, found, scale, chunk_tokens)
 
-    q: [bs, Hkv, R, D] in the caches' dtype -> o [bs, Hkv, R, D] float32 normalised (zeros for a request with no
-    key), lse [bs, Hkv, R] (the float32 minimum there)."""
-    bs = q.shape[0]
+
+def index_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index, scale: float,
+                   chunk_tokens: int, k_scale: float = 1.0, v_scale: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``requests_in_place`` over a ``decode.DecodeIndex`` (a batch of one through its host ``single`` slots), its
+    runs found on the first layer that asks and kept on the index: every layer of a step reads the same slots (an
+    index is one step's; its tensors do not change once built)."""
+    keys = index.single.shape[0] if index.single is not None else index.valid.numel()
+    if not reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale, keys):
+        return None
+    cached = index.__dict__.get("_key_runs")
+    if cached is None:
+        found = (key_runs(index.single, [keys]) if index.single is not None
+                 else _table_key_runs(index.runs, index.valid, index.block_req, q.shape[0], index.unit))
+        index.__dict__["_key_runs"] = cached = (found,)
+    return None if cached[0] is None else attend_runs(q, k_cache, v_cache, cached[0], scale, chunk_tokens)
+
+
+def _table_key_runs(runs: torch.Tensor, valid: torch.Tensor, block_req: torch.Tensor, bs: int, unit: int
+                    ) -> KeyRuns | None:
     slots = position_slots(runs, unit, valid.shape).reshape(-1)[valid.reshape(-1)]  # each request's keys, in turn
     per_block = valid.sum(1)
-    ends = torch.cumsum(per_block.new_zeros(bs + 1).index_add_(0, block_req, per_block)[:bs], 0).tolist()
-    bounds, firsts = slot_runs(slots, ends)
-    if in_place_share(bounds) < MIN_IN_PLACE_SHARE:
-        return None
+    return key_runs(slots, per_block.new_zeros(bs + 1).index_add_(0, block_req, per_block)[:bs].tolist())
+
+
+def attend_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRuns, scale: float,
+                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each long run as one kernel call on views of the caches, all requests' other keys in one padded call (or in
+    chunks per request), every partial merged in one pass. q: [bs, Hkv, R, D] in the caches' dtype -> o [bs, Hkv,
+    R, D] float32 normalised (zeros for a request with no key), lse [bs, Hkv, R] (the float32 minimum there)."""
     q = q.contiguous()  # the kernel reads q through its strides unchecked
-    outs, lses, part_rows = [], [], []  # every partial, and the request it belongs to
-    rest_rows, rests = [], []
-    j = 0  # the first run of request i
-    for i, end in enumerate(ends):
-        if bounds[j] == end:  # no key
-            continue
-        last = bisect.bisect_left(bounds, end, j)  # bounds[last] == end: a request's end ends a run
-        parts, rest = run_parts(q[i:i + 1], k_cache, v_cache, slots, bounds[j:last + 1], firsts[j:last], scale)
-        for o, lse in parts:
-            outs.append(o)
-            lses.append(lse)
-            part_rows.append(i)
-        if rest is not None:
-            rest_rows.append(i)
-            rests.append(rest)
-        j = last
-    if rests:
-        o, lse = _rests_attention(q, k_cache, v_cache, rest_rows, rests, scale, chunk_tokens)
+    outs, lses, rows = [], [], []
+    for request, first, n in keys.runs:
+        k = k_cache[first:first + n].unsqueeze(0).transpose(1, 2)  # [1, Hkv, n, D], the strides of a gathered tile
+        v = v_cache[first:first + n].unsqueeze(0).transpose(1, 2)
+        o, lse = _flash_cpu(q[request:request + 1], k, v, 0.0, False, scale=scale)[:2]
         outs.append(o)
         lses.append(lse)
-        part_rows += rest_rows
-    return merge_normalised_rows(torch.cat(outs), torch.cat(lses), torch.tensor(part_rows), bs)
+        rows.append(request)
+    if keys.rest.shape[0]:
+        o, lse, rest_rows = _rests_attention(q, k_cache, v_cache, keys.rest, keys.rest_counts, scale, chunk_tokens)
+        outs.append(o)
+        lses.append(lse)
+        rows += rest_rows
+    if rows == list(range(q.shape[0])):  # one partial per request, in order: nothing to merge
+        return torch.cat(outs).float(), torch.cat(lses)
+    return merge_normalised_rows(torch.cat(outs), torch.cat(lses), torch.tensor(rows), q.shape[0])
 
 
-def _rests_attention(q, k_cache, v_cache, rows: list[int], rests: list[torch.Tensor], scale: float,
-                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The requests ``rows``' keys outside long runs (``rests``: slots, position order): one gather and one kernel
-    call for all, each padded to the longest with its own last key masked out, when that pads at most
-    ``REST_PAD_WASTE``x and fits ``REST_BYTES``; else each request's in chunks. -> (o, lse), a partial per row."""
-    lens = [r.shape[0] for r in rests]
+def _rests_attention(q, k_cache, v_cache, rest: torch.Tensor, counts: list[int], scale: float, chunk_tokens: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The keys outside long runs (``rest``, ``counts[i]`` of them request ``i``'s): one gather and one kernel call
+    for all, each request padded to the longest with its own last key masked out, when that computes at most
+    ``REST_PAD_WASTE``x the keys and fits ``REST_BYTES``; else each request's in chunks of ``chunk_tokens``.
+    -> (o, lse) with a partial per request that has such keys, and those requests."""
+    rows = [i for i, c in enumerate(counts) if c]
+    lens = [counts[i] for i in rows]
     width, hkv, d = max(lens), k_cache.shape[1], k_cache.shape[2]
-    if len(rests) * width > REST_PAD_WASTE * sum(lens) or len(rests) * width * hkv * d * 4 > REST_BYTES:
-        parts = []
-        for i, r in zip(rows, rests, strict=True):
-            chunks = range(0, r.shape[0], chunk_tokens)
-            parts.append(merge_normalised([slots_attention(q[i:i + 1], k_cache, v_cache, r[c:c + chunk_tokens],
-                                                           scale) for c in chunks]))
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     n = torch.tensor(lens)
     starts = torch.cumsum(n, 0) - n
+    if len(rows) * width > REST_PAD_WASTE * sum(lens) or len(rows) * width * hkv * d * 4 > REST_BYTES:
+        parts = []
+        for i, a, c in zip(rows, starts.tolist(), lens, strict=True):
+            mine = rest[a:a + c]
+            chunks = [slots_attention(q[i:i + 1], k_cache, v_cache, mine[b:b + chunk_tokens], scale)
+                      for b in range(0, c, chunk_tokens)]
+            parts.append(merge_normalised(chunks))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), rows
     # a padding position repeats the request's last key (finite data it owns), masked out below
     pos = starts[:, None] + torch.minimum(torch.arange(width)[None, :], (n - 1)[:, None])
-    k, v = _gather_kv(k_cache, v_cache, torch.cat(rests)[pos].reshape(-1), 1, len(rests), width, q.dtype, 1.0, 1.0)
+    k, v = _gather_kv(k_cache, v_cache, rest[pos].reshape(-1), 1, len(rows), width, q.dtype, 1.0, 1.0)
     bias = None
     if min(lens) < width:
         keep = torch.arange(width)[None, :] < n[:, None]
         bias = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
     o, lse = _flash_cpu(q[rows], k, v, 0.0, False, attn_mask=bias, scale=scale)[:2]
-    return o, lse
+    return o, lse, rows
 
 
 def merge_normalised(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from .block_flash import _flash_cpu, _gather_kv, slots_attention
 from .decode import DecodeIndex
 from .decode_flash import one_call_fits
-from .inplace_flash import reads_in_place, request_in_place, requests_in_place
+from .inplace_flash import index_in_place, requests_in_place
 from .kv_dtype import compute_dtype, scale_pair
 from .merge import merge_two
 from .opaque import opaque_op
@@ -29,22 +29,26 @@ def prefix_flash(qg, k_cache, v_cache, index: DecodeIndex, scale, k_scale, v_sca
     scales = scale_pair(k_scale, v_scale)
     qg = qg.to(compute_dtype(qg.dtype, k_cache.dtype))
     single = index.single
-    if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
-            and not torch.compiler.is_compiling():
-        # a batch of one indexed on the host: its prefix's slots in one gather and one kernel call, as decode does
-        chunk = VERIFY_CHUNK_BYTES // (hkv * d * 4)
-        found = request_in_place(qg, k_cache, v_cache, single, scale, chunk, *scales)
-        o, lse = found if found is not None else slots_attention(qg, k_cache, v_cache, single, scale, *scales)
-        return o.float(), lse
+    compiling = torch.compiler.is_compiling()
     chunk = max(VERIFY_CHUNK_BYTES // (hkv * d * 4) // index.unit, 1) * index.unit
+    if not compiling:  # keys in long runs of slots read in place, the runs found once per step (inplace_flash)
+        found = index_in_place(qg, k_cache, v_cache, index, scale, chunk, *scales)
+        if found is not None:
+            return found
+    if single is not None and single.shape[0] and one_call_fits(single.shape[0], index.block_size, hkv, d) \
+            and not compiling:
+        # a batch of one indexed on the host: its prefix's slots in one gather and one kernel call, as decode does
+        o, lse = slots_attention(qg, k_cache, v_cache, single, scale, *scales)
+        return o.float(), lse
     return verify_flash(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk, index.unit,
-                        *scales)
+                        *scales, find_runs=compiling)
 
 
 @opaque_op
 def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: torch.Tensor,
                  valid: torch.Tensor, block_req: torch.Tensor, scale: float, chunk_tokens: int, unit: int = 1,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_scale: float = 1.0, v_scale: float = 1.0, find_runs: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's queries over its whole prefix, read in chunks of ``chunk_tokens`` positions.
 
     q: [bs, Hkv, R, D] in the kernel's dtype (a request's ``k * group`` query rows per KV head); k_cache,
@@ -59,13 +63,14 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     its valid keys one run of positions; so each chunk is one gather and one unmasked kernel call (the last chunk
     trimmed to the valid length) with the request's queries as they are, merged into a running log-sum-exp.
     Where most keys lie in long runs of slots and the caches need no conversion, ``inplace_flash.requests_in_place``
-    reads those runs in place instead. Host reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as
-    ``decode_flash``), never a sync.
+    reads those runs in place instead (``find_runs``: eager callers have looked already, once per step). Host
+    reads of ``valid``/``block_req`` (CPU tensors in a CPU-only op, as ``decode_flash``), never a sync.
     """
-    if reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale):  # keys in long runs of slots: inplace_flash
-        found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit)
-        if found is not None:
-            return found
+    # keys in long runs of slots (inplace_flash), unless an eager caller has looked already
+    found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit, k_scale,
+                              v_scale) if find_runs else None
+    if found is not None:
+        return found
     bs, blocks = q.shape[0], valid.shape
     lens = valid.sum(1).new_zeros(bs + 1).index_add_(0, block_req, valid.sum(1))[:bs].tolist()
     nblocks = torch.bincount(block_req, minlength=bs + 1)[:bs]
@@ -89,5 +94,5 @@ def verify_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 @torch.library.register_fake(verify_flash)
 def _verify_flash_fake(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_tokens, unit=1, k_scale=1.0,
-                       v_scale=1.0):
+                       v_scale=1.0, find_runs=True):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)

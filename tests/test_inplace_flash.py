@@ -11,27 +11,53 @@ from reference import reference_attention
 import compiled_attn.inplace_flash as inplace_flash
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
-from compiled_attn.inplace_flash import MIN_RUN, in_place_share, slot_runs
+from compiled_attn.inplace_flash import MIN_RUN, key_runs
 
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
-def test_slot_runs_splits_at_every_gap_and_request_end(data):
-    """Runs of consecutive slots, each request's end always a break (a run never spans two requests)."""
-    pieces = data.draw(st.lists(st.tuples(st.integers(0, 500), st.integers(1, 9)), max_size=8))
+def test_key_runs_splits_at_every_gap_and_request_end(data):
+    """Runs of consecutive slots, each request's end always a break (a run never spans two requests): the long
+    ones listed with their request, every other key kept in order with its request's count; None when the long
+    runs hold under half the keys. Against a plain Python walk."""
+    pieces = data.draw(st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 300)), max_size=6))
     slots = [s + j for s, n in pieces for j in range(n)]
-    ends = sorted(set(data.draw(st.lists(st.integers(0, len(slots)), max_size=4)) + [len(slots)]))
-    bounds, firsts = slot_runs(torch.tensor(slots, dtype=torch.int64), ends)
-    expect = [p for p in range(len(slots)) if p == 0 or slots[p] != slots[p - 1] + 1 or p in ends]
-    assert bounds == expect + [len(slots)]
-    assert firsts == [slots[p] for p in expect]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(slots)), max_size=3)))
+    lens = [b - a for a, b in zip([0, *cuts], [*cuts, len(slots)], strict=True)]
+    request = [i for i, n in enumerate(lens) for _ in range(n)]
+    long, in_long, p = [], set(), 0
+    while p < len(slots):
+        e = p + 1
+        while e < len(slots) and slots[e] == slots[e - 1] + 1 and request[e] == request[p]:
+            e += 1
+        if e - p >= MIN_RUN:
+            long.append((request[p], slots[p], e - p))
+            in_long.update(range(p, e))
+        p = e
+    got = key_runs(torch.tensor(slots, dtype=torch.int64), lens)
+    if len(in_long) < 0.5 * len(slots) or len(slots) < MIN_RUN:
+        assert got is None
+        return
+    assert got.runs == long
+    rest = [p for p in range(len(slots)) if p not in in_long]
+    assert got.rest.tolist() == [slots[p] for p in rest]
+    assert got.rest_counts == [sum(1 for p in rest if request[p] == i) for i in range(len(lens))]
 
 
 def _spy(monkeypatch):
-    """Count the requests read as runs of slots."""
+    """Record each batch (or single request) whose keys are read as runs of slots. The test shapes' caches are far
+    under the size from which runs are looked for: that size is lowered to nothing here."""
+    monkeypatch.setattr(inplace_flash, "MIN_IN_PLACE_BYTES", 0)
     calls = []
-    real = inplace_flash.run_parts
-    monkeypatch.setattr(inplace_flash, "run_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = inplace_flash.key_runs
+
+    def spy(*a, **k):
+        found = real(*a, **k)
+        if found is not None:
+            calls.append(found)
+        return found
+
+    monkeypatch.setattr(inplace_flash, "key_runs", spy)
     return calls
 
 
@@ -111,12 +137,6 @@ def test_what_is_not_read_in_place(monkeypatch, case):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_in_place_share():
-    # runs of MIN_RUN, 1 and 2 * MIN_RUN slots: the first and the last are long
-    assert in_place_share([0, MIN_RUN, MIN_RUN + 1, 3 * MIN_RUN + 1]) == pytest.approx(3 * MIN_RUN / (3 * MIN_RUN + 1))
-    assert in_place_share([0, 3, 9]) == 0.0 and in_place_share([0]) == 0.0
-
-
 @pytest.mark.parametrize("prefix", [[700, 5, 130, 0, 900], [300]], ids=["batch", "single"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_verify_reads_prefixes_in_place(monkeypatch, prefix, tree):
@@ -156,3 +176,13 @@ def test_rows_merge_as_one_at_a_time():
         want_o, want_lse = merge_normalised([(o[i:i + 1], lse[i:i + 1]) for i in mine])
         torch.testing.assert_close(got_o[r:r + 1], want_o, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got_lse[r:r + 1], want_lse, atol=1e-6, rtol=1e-6)
+
+
+def test_small_caches_are_gathered(monkeypatch):
+    """Under ``MIN_IN_PLACE_BYTES`` of K the runs are not looked for (a tiny model's batch: its gather costs less)."""
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(inplace_flash, "MIN_IN_PLACE_BYTES", 1 << 20)
+    b = make_batch([700, 300], hq=4, hkv=2, dqk=16, decode=True, seed=8, slot_layout="engine")  # 128 KiB of K
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
+    decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25, cpu_flash=True)
+    assert not calls
