@@ -15,11 +15,11 @@ Three forms, as decode. On CPU eagerly (one head size, no soft-cap) ``verify_fla
 request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
 per-block copies of them, no mask, a running log-sum-exp). Under ``torch.compile`` on CPU (one head size, V a
 cache of its own) with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query heads per KV
-head), the used prefix blocks read K/V in place (``decode_fused``, as the compiled decode); with more rows the
-flash kernel's GEMMs win. Elsewhere (CUDA, MLA's 576/512, soft-capped models) a matmul form over the blocks. The
-draft block is always a small matmul (``k`` keys). Everything after ``plan_verify`` is tensor code with static
-shapes per (batch capacity, ``k``, block capacity): no ``.item()``; the CPU forms' ops read their indices on the
-host (CPU tensors, never a device sync).
+head) over a float32 or float8 cache, the used prefix blocks read K/V in place (``decode_fused``, as the compiled
+decode); with more rows, or a bf16/fp16 cache, the flash kernel wins. Elsewhere (CUDA, MLA's 576/512,
+soft-capped models) a matmul form over the blocks. The draft block is always a small matmul (``k`` keys).
+Everything after ``plan_verify`` is tensor code with static shapes per (batch capacity, ``k``, block capacity): no
+``.item()``; the CPU forms' ops read their indices on the host (CPU tensors, never a device sync).
 
 Custom mask layouts: ``verify_masks``.
 """
@@ -43,7 +43,7 @@ from .decode import (
     sinks_by_kv_head,
 )
 from .decode_fused import choose_fused, used_block_partials
-from .kv_dtype import dequantize
+from .kv_dtype import HALF_DTYPES, dequantize
 from .metadata import DecodeInputs
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
@@ -53,8 +53,10 @@ __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index"
            "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_blocks"]
 
 _LOWEST = torch.finfo(torch.float32).min
-#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads the prefix in place
-#: (``fused``); above it the flash kernel's GEMMs over gathered chunks win
+#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads a float32 or float8 prefix
+#: in place (``fused``); above it the flash kernel's GEMMs win. A bf16/fp16 cache always takes the flash op: its
+#: half-precision kernel was as fast at 8 rows with scattered slots and 1.2-1.5x faster where prompts lie in runs of
+#: slots (read in place, ``inplace_flash``), while the fused loops run no faster on half precision than on float32
 FUSED_MAX_ROWS = 8
 
 
@@ -217,7 +219,8 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
-    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=k * hq // hkv <= FUSED_MAX_ROWS)
+    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
+                         rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and k_cache.dtype not in HALF_DTYPES)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
