@@ -20,7 +20,7 @@ All functions here are pure tensor code: no ``.item()``, no host sync, no value-
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,8 @@ class DecodeIndex:
     units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
     single:    [n] int64 or None: a batch of one's key slots in position order, set by the host-built index
                (``_single_request_index``); the CPU eager decode reads them in one gather
+    key_runs:  the eager CPU forms' split of these keys into runs of slots (``inplace_flash.index_in_place``):
+               empty until a layer first asks, then ``(KeyRuns or None,)``, kept for the step's other layers
     """
 
     block_req: torch.Tensor
@@ -57,6 +59,7 @@ class DecodeIndex:
     unit: int = 1
     units: torch.Tensor | None = None
     single: torch.Tensor | None = None
+    key_runs: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def runs(self) -> torch.Tensor:
@@ -173,7 +176,7 @@ class _SingleRequestIndex(DecodeIndex):
                  unit: int, single: torch.Tensor | None):
         # raw: the table row's slots from the first block's start; [first, end): the request's keys in it
         self._raw, self._span, self._shape = raw, (first, end), (nblk, capacity, block_size)
-        self.unit, self.single, self._table = unit, single, None
+        self.unit, self.single, self._table, self.key_runs = unit, single, None, ()
 
     @property
     def block_size(self) -> int:

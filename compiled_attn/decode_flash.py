@@ -32,7 +32,7 @@ from .block_flash import (
     slots_attention,
 )
 from .inplace_flash import requests_in_place
-from .merge import apply_sinks, merge_partials
+from .merge import apply_sinks, merge_normalised, merge_partials
 from .opaque import opaque_op
 
 #: a single request is run in one kernel call up to this many L2-sized chunks (16 MiB of float32 K: 4096 tokens
@@ -138,12 +138,7 @@ def _single_request(q, k_cache, v_cache, runs, valid, scale, chunk_blocks, unit,
         lo, hi = s * block_size, min(s + per, count) * block_size
         parts.append(sequence_attention(q, k_cache, v_cache, flat_runs[lo // unit:hi // unit], flat_valid[lo:hi],
                                         scale, unit, *scales))
-    if len(parts) == 1:
-        return parts[0]
-    o = torch.stack([p[0].float() for p in parts])  # [S, 1, Hkv, group, D]
-    lse = torch.stack([p[1] for p in parts])  # [S, 1, Hkv, group]
-    total = torch.logsumexp(lse, 0)
-    return (o * torch.exp(lse - total)[..., None]).sum(0), total
+    return merge_normalised(parts)
 
 
 def _dense(q, k_cache, v_cache, runs, valid, counts, active, widest, scale, unit, scales):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_flash import _flash_cpu, _gather_kv, slots_attention
-from .merge import merge_normalised_rows
+from .merge import merge_normalised, merge_normalised_rows
 
 #: runs of at least this many consecutive slots are read in place. Per key, a kernel call on a run of 64 slots cost
 #: 1.7x (float32) and 2.9x (bf16) one on a run of 1024, and for bf16 more than gathering those keys; from 128 on
@@ -120,12 +120,11 @@ def index_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     keys = index.single.shape[0] if index.single is not None else index.valid.numel()
     if not reads_in_place(q.dtype, k_cache, v_cache, k_scale, v_scale, keys):
         return None
-    cached = index.__dict__.get("_key_runs")
-    if cached is None:
-        found = (key_runs(index.single, [keys]) if index.single is not None
-                 else _table_key_runs(index.runs, index.valid, index.block_req, q.shape[0], index.unit))
-        index.__dict__["_key_runs"] = cached = (found,)
-    return None if cached[0] is None else attend_runs(q, k_cache, v_cache, cached[0], scale, chunk_tokens)
+    if not index.key_runs:
+        index.key_runs = (key_runs(index.single, [keys]) if index.single is not None
+                          else _table_key_runs(index.runs, index.valid, index.block_req, q.shape[0], index.unit),)
+    found = index.key_runs[0]
+    return None if found is None else attend_runs(q, k_cache, v_cache, found, scale, chunk_tokens)
 
 
 def _table_key_runs(runs: torch.Tensor, valid: torch.Tensor, block_req: torch.Tensor, bs: int, unit: int
@@ -187,13 +186,3 @@ def _rests_attention(q, k_cache, v_cache, rest: torch.Tensor, counts: list[int],
         bias = torch.where(keep, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
     o, lse = _flash_cpu(q[rows], k, v, 0.0, False, attn_mask=bias, scale=scale)[:2]
     return o, lse, rows
-
-
-def merge_normalised(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised partial softmaxes of the same rows, ``(o [..., R, D], lse [..., R])`` each, -> one, float32."""
-    if len(parts) == 1:
-        return parts[0][0].float(), parts[0][1]
-    o = torch.stack([p[0].float() for p in parts])
-    lse = torch.stack([p[1] for p in parts])
-    total = torch.logsumexp(lse, 0)
-    return (o * torch.exp(lse - total)[..., None]).sum(0), total

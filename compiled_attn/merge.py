@@ -52,6 +52,16 @@ def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
     return o, m + torch.log(den)
 
 
+def merge_normalised(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised partial softmaxes of the same rows, ``(o [..., R, D], lse [..., R])`` each, -> one, float32."""
+    if len(parts) == 1:
+        return parts[0][0].float(), parts[0][1]
+    o = torch.stack([p[0].float() for p in parts])
+    lse = torch.stack([p[1] for p in parts])
+    total = torch.logsumexp(lse, 0)
+    return (o * torch.exp(lse - total)[..., None]).sum(0), total
+
+
 def merge_normalised_rows(o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, num_rows: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised partial softmaxes, each of one output row (``rows``: [P] int64), merged per row in one pass.

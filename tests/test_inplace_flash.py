@@ -161,8 +161,7 @@ def test_verify_reads_prefixes_in_place(monkeypatch, prefix, tree):
 def test_rows_merge_as_one_at_a_time():
     """``merge_normalised_rows`` (every partial of a batch in one pass) equals merging each row's partials alone;
     a row with none gets zeros and the float32 minimum."""
-    from compiled_attn.inplace_flash import merge_normalised
-    from compiled_attn.merge import merge_normalised_rows
+    from compiled_attn.merge import merge_normalised, merge_normalised_rows
 
     g = torch.Generator().manual_seed(3)
     rows = torch.tensor([2, 0, 2, 2, 0, 3])
@@ -186,3 +185,14 @@ def test_small_caches_are_gathered(monkeypatch):
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25, cpu_flash=True)
     assert not calls
+
+
+def test_runs_are_found_once_per_step(monkeypatch):
+    """Eagerly, a step's layers share its index: the runs are found on the first layer and kept on the index."""
+    calls = _spy(monkeypatch)
+    b = make_batch([700, 300], hq=4, hkv=2, dqk=16, decode=True, seed=9, slot_layout="engine")
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
+    index = build_decode_index(b.req_to_token, meta.inputs)
+    outs = [decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.25, cpu_flash=True) for _layer in range(3)]
+    assert len(calls) == 1 and index.key_runs == (calls[0],)
+    assert all(torch.equal(o, outs[0]) for o in outs)
