@@ -370,3 +370,50 @@ def test_forward_decode_compiles_as_one_graph_without_recompiles(geom, fullgraph
                 ref = backend.forward_decode(batch.q, k, v, layer, fb)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
     assert len(compiles) == 1
+
+
+def test_cpu_graph_runner_builds_the_index_inside_its_compiled_forward(monkeypatch):
+    """CPUGraphRunner calls ``init_forward_metadata`` eagerly before each compiled forward: the backend then only
+    fills the static buffers, and the first attention layer builds the block index inside the compiled code (no
+    ~25 eager small ops per step); the next layer reads it. Compiled as that runner compiles (no ``fullgraph``):
+    two graphs (the layer that builds it, the layer that reads it), none more for a second batch of the same size,
+    outputs equal to the eager backend's."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", False)
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=14, num_layers=2)
+    backend = CompiledAttnBackend(mr)
+    backend.init_cpu_graph_state(8, 8)
+    layers = [H.make_layer(g, i) for i in range(2)]
+    compiles = []
+
+    def count(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v, layer, fb: backend.forward_decode(q, k, v, layer, fb), dynamic=False,
+                         backend=count)
+    for lens in ([7, 1, 30], [90, 4, 12, 33, 2]):
+        batch = H.make_decode_batch(mr, lens, pad_to_bs=8, layer_ids=(0, 1))
+        fb = batch.forward_batch
+        with H.parallel_scope():
+            backend.init_forward_metadata(fb)
+            assert backend.forward_metadata.static and not backend.forward_metadata.decode
+            outs = []
+            with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=fb):
+                for layer in layers:
+                    ld = batch.layers[layer.layer_id]
+                    k = ld.k.view(8, g.num_kv_heads, g.head_dim)
+                    v = ld.v.view(8, g.num_kv_heads, g.v_head_dim)
+                    outs.append(step(ld.q, k, v, layer, fb))
+            assert list(backend.forward_metadata.decode) == [(None, False)]
+            plain = CompiledAttnBackend(mr)  # eager, exact-size metadata: the reference
+            plain.init_forward_metadata(fb)
+            with SG.forward_context(SG.ForwardContext(attn_backend=plain), forward_batch=fb):
+                for layer, out in zip(layers, outs, strict=True):
+                    ld = batch.layers[layer.layer_id]
+                    ref = plain.forward_decode(ld.q, ld.k.view(8, g.num_kv_heads, g.head_dim),
+                                               ld.v.view(8, g.num_kv_heads, g.v_head_dim), layer, fb,
+                                               save_kv_cache=False)
+                    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert len(compiles) == 2

@@ -131,8 +131,9 @@ class CompiledAttnBackend(AttentionBackend):
             return
         check_mode(mode)
         if mode.is_decode() and self._fits_graph(forward_batch):
-            # graph-shaped metadata: what CPUGraphRunner's compiled forward was traced with (no recompile)
-            self.init_forward_metadata_in_graph(forward_batch)
+            # graph-shaped metadata: what CPUGraphRunner's compiled forward was traced with (no recompile); the
+            # index is built by the first attention layer, inside that compiled forward
+            self.init_forward_metadata_in_graph(forward_batch, build_index=False)
             return
         self.forward_metadata = _ForwardState(forward_batch, static=False)
 
@@ -220,9 +221,11 @@ class CompiledAttnBackend(AttentionBackend):
             check_graph_blocks(f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)", needed, cap,
                                self.block_size, g.kv_tokens)
 
-    def init_forward_metadata_in_graph(self, forward_batch):
+    def init_forward_metadata_in_graph(self, forward_batch, build_index: bool = True):
         """Graph-recordable: copy the batch's rows/ranges into the static buffers and build the block index of
-        every known layer configuration (pure tensor code, fixed shapes per batch size)."""
+        every known layer configuration (pure tensor code, fixed shapes per batch size). ``build_index=False``
+        (CPUGraphRunner, whose compiled forward runs after this eager call) leaves that to the first layer of each
+        configuration, so it is traced into the compiled forward instead of running as ~25 eager ops per step."""
         if self.graph is None:
             raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
         mode = getattr(forward_batch, "forward_mode", None)
@@ -234,7 +237,7 @@ class CompiledAttnBackend(AttentionBackend):
                               inputs=(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                       getattr(forward_batch, "encoder_lens", None)))
         self.forward_metadata = state
-        for key in self.decode_keys:
+        for key in self.decode_keys if build_index else ():
             state.decode[key] = self._static_decode_index(state, key)
 
     def init_forward_metadata_capture_cpu_graph(self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
@@ -246,7 +249,7 @@ class CompiledAttnBackend(AttentionBackend):
                              seq_lens=seq_lens, seq_lens_cpu=None, encoder_lens=encoder_lens,
                              out_cache_loc=out_cache_loc)
         self.init_forward_metadata_out_graph(fb, in_capture=True)
-        self.init_forward_metadata_in_graph(fb)
+        self.init_forward_metadata_in_graph(fb, build_index=False)
 
     def _static_decode_index(self, state: _ForwardState, key: DecodeKey) -> DecodeIndex:
         g = self.graph
