@@ -305,23 +305,22 @@ def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bs, hq, d = q.shape
     block_size = index.block_size
     hkv = k_cache.shape[1]
-    dtype = compute_dtype(q.dtype, k_cache.dtype)
+    qg = q.reshape(bs, hkv, hq // hkv, d).to(compute_dtype(q.dtype, k_cache.dtype))  # the kernels' queries
+    chunk_blocks = chunk_blocks_for(block_size, hkv, d)
     compiling = torch.compiler.is_compiling()
     scales = scale_pair(k_scale, v_scale)
     if not compiling:  # keys in long runs of slots read in place, the runs found once per step (inplace_flash)
-        found = index_in_place(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index, scale,
-                               chunk_blocks_for(block_size, hkv, d) * block_size, *scales)
+        found = index_in_place(qg, k_cache, v_cache, index, scale, chunk_blocks * block_size, *scales)
         if found is not None:
             return apply_sinks(*found, sinks).reshape(bs, hq, d).to(q.dtype)
     if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
-        o = single_request_flash(q.reshape(1, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.single, scale,
-                                 block_size, *scales, sinks)
+        o = single_request_flash(qg, k_cache, v_cache, index.single, scale, block_size, *scales, sinks)
         if o is not None:
             return o.reshape(bs, hq, d).to(q.dtype)
     # eager: the op's body directly (the op's dispatch cost is a short request's kernel call)
     run = decode_flash if compiling else decode_flash_eager
-    o = run(q.reshape(bs, hkv, hq // hkv, d).to(dtype), k_cache, v_cache, index.runs, index.valid,
-            index.block_req, scale, chunk_blocks_for(block_size, hkv, d), index.unit, *scales, sinks)
+    o = run(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk_blocks, index.unit, *scales,
+            sinks)
     return o.reshape(bs, hq, d).to(q.dtype)
 
 

@@ -105,8 +105,8 @@ def decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_flash_eager`` as one opaque op for ``torch.compile`` (``opaque.py``), keys in long runs of slots
     read in place first (``inplace_flash``; eager callers look for them once per step, ``index_in_place``)."""
-    found = requests_in_place(q.contiguous(), k_cache, v_cache, runs, valid, block_req, scale,
-                              chunk_blocks * valid.shape[1], unit, k_scale, v_scale)
+    found = requests_in_place(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks * valid.shape[1], unit,
+                              k_scale, v_scale)
     if found is not None:
         return apply_sinks(*found, sinks)
     return decode_flash_eager(q, k_cache, v_cache, runs, valid, block_req, scale, chunk_blocks, unit, k_scale,
