@@ -44,7 +44,7 @@ def test_key_runs_splits_at_every_gap_and_request_end(data):
     assert got.rest_counts == [sum(1 for p in rest if request[p] == i) for i in range(len(lens))]
 
 
-def _spy(monkeypatch):
+def spy_key_runs(monkeypatch):
     """Record each batch (or single request) whose keys are read as runs of slots. The test shapes' caches are far
     under the size from which runs are looked for: that size is lowered to nothing here."""
     monkeypatch.setattr(inplace_flash, "MIN_IN_PLACE_BYTES", 0)
@@ -72,7 +72,7 @@ def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype, 
     bucket's padding rows included. Equal to the float64 reference."""
     if rests == "per_request":
         monkeypatch.setattr(inplace_flash, "REST_BYTES", 0)
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     lens = [700, 90, 30, 300, 1000]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=3, slot_layout="engine", dtype=dtype)
     sinks = torch.linspace(-2, 2, 8) if with_sinks else None
@@ -93,7 +93,7 @@ def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype, 
 def test_one_request_in_place(monkeypatch, length):
     """A batch of one (the host-built index's ``single`` slots): its decode steps follow its prompt, one run in
     all, read in place from ``MIN_RUN`` slots on."""
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     b = make_batch([length], hq=4, hkv=2, dqk=16, decode=True, seed=4, slot_layout="engine")
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25)
@@ -106,7 +106,7 @@ def test_one_request_in_place(monkeypatch, length):
 @pytest.mark.parametrize("page_size, taken", [(16, False), (64, False), (128, True), (256, True)])
 def test_pages_of_a_run_or_more_are_read_in_place(monkeypatch, page_size, taken):
     """Random pages: a page of ``MIN_RUN`` slots or more is a run by itself; smaller pages are gathered."""
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     lens = [400, 150, 999]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, seed=5, page_size=page_size)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, page_size=page_size)
@@ -122,7 +122,7 @@ def test_pages_of_a_run_or_more_are_read_in_place(monkeypatch, page_size, taken)
 def test_what_is_not_read_in_place(monkeypatch, case):
     """Scattered slots (the share in long runs under one half), and caches the kernel cannot read as they are (a
     dtype other than the query's, a dequantisation scale) take the gathering paths, with the same answer."""
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     kv = {"float8": torch.float8_e4m3fn, "fp32_query_bf16_cache": torch.bfloat16}.get(case)
     b = make_batch([500, 300], hq=4, hkv=2, dqk=16, decode=True, seed=6, kv_dtype=kv,
                    slot_layout="scattered" if case == "scattered" else "engine")
@@ -146,7 +146,7 @@ def test_verify_reads_prefixes_in_place(monkeypatch, prefix, tree):
 
     from compiled_attn.verify import chain_mask, verify_attention
 
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     k = 4
     prefix = torch.tensor(prefix, dtype=torch.int64)
     b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=8, hkv=2, dqk=16, seed=7, slot_layout="engine")
@@ -179,7 +179,7 @@ def test_rows_merge_as_one_at_a_time():
 
 def test_small_caches_are_gathered(monkeypatch):
     """Under ``MIN_IN_PLACE_BYTES`` of K the runs are not looked for (a tiny model's batch: its gather costs less)."""
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     monkeypatch.setattr(inplace_flash, "MIN_IN_PLACE_BYTES", 1 << 20)
     b = make_batch([700, 300], hq=4, hkv=2, dqk=16, decode=True, seed=8, slot_layout="engine")  # 128 KiB of K
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
@@ -189,7 +189,7 @@ def test_small_caches_are_gathered(monkeypatch):
 
 def test_runs_are_found_once_per_step(monkeypatch):
     """Eagerly, a step's layers share its index: the runs are found on the first layer and kept on the index."""
-    calls = _spy(monkeypatch)
+    calls = spy_key_runs(monkeypatch)
     b = make_batch([700, 300], hq=4, hkv=2, dqk=16, decode=True, seed=9, slot_layout="engine")
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     index = build_decode_index(b.req_to_token, meta.inputs)

@@ -11,18 +11,14 @@ pytest.importorskip("sglang")
 
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang_compare import run_forward  # noqa: E402
+from test_inplace_flash import spy_key_runs  # noqa: E402
 
-import compiled_attn.inplace_flash as inplace_flash  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
-    monkeypatch.setattr(inplace_flash, "MIN_IN_PLACE_BYTES", 0)  # the test's caches are small
-    calls = []  # each forward whose keys were read as runs of slots
-    real = inplace_flash.key_runs
-    monkeypatch.setattr(inplace_flash, "key_runs", lambda *a, **k: (lambda r: r is not None and calls.append(r)
-                                                                               or r)(real(*a, **k)))
+    calls = spy_key_runs(monkeypatch)  # each forward whose keys were read as runs of slots
     g = H.GEOMETRIES["gqa"]
     outs = []
     for make in (H.make_torch_native_backend, CompiledAttnBackend):
