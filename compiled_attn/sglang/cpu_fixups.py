@@ -208,6 +208,47 @@ def skip_cpu_compile_fake_ops() -> bool:
     return True
 
 
+# SGLang 0.5.23's layer-boundary records that every decoder layer builds on its forward (module, class name)
+_LAYER_BOUNDARY_RECORDS = (
+    ("sglang.srt.layers.layer_boundary.residual.stream", "Contribution"),
+    ("sglang.srt.layers.layer_boundary.exit", "ExitDecision"),
+)
+
+
+def plain_record_class(struct_cls: type) -> type:
+    """A plain-Python class with ``struct_cls``'s fields (positional order and defaults) and methods: a
+    ``msgspec.Struct`` stand-in that dynamo can construct and mutate inside a compiled graph."""
+    import dataclasses
+
+    fields = struct_cls.__struct_fields__
+    defaults = struct_cls.__struct_defaults__
+    first_default = len(fields) - len(defaults)  # msgspec's defaults belong to the last fields, as a dataclass's
+    spec = [(name, object) if i < first_default
+            else (name, object, dataclasses.field(default=defaults[i - first_default]))
+            for i, name in enumerate(fields)]
+    methods = {k: v for k, v in vars(struct_cls).items() if callable(v) and not k.startswith("__")}
+    return dataclasses.make_dataclass(struct_cls.__name__, spec, namespace={
+        **methods, "__doc__": struct_cls.__doc__, "__module__": struct_cls.__module__}, eq=False)
+
+
+def plain_layer_boundary_records() -> bool:
+    """Under ``--enable-torch-compile`` dynamo cannot build SGLang's ``msgspec`` layer-boundary records and breaks
+    the CPU graph runner's graph twice per decoder layer: swap in plain-Python classes with the same fields."""
+    import msgspec
+
+    swapped = False
+    for module_name, name in _LAYER_BOUNDARY_RECORDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+            setattr(module, name, plain_record_class(cls))  # the module's functions look the name up per call
+            swapped = True
+    return swapped
+
+
 def ensure_sglang_importable() -> None:
     """Harness mode: everything before the first ``import sglang`` to run SGLang's generic path on a CPU machine.
 
@@ -236,6 +277,7 @@ FIXUPS = (
     ("cpu_engine_env", set_cpu_engine_env, SGLANG_0_5_23, False),
     ("sgl_kernel_stand_in", install_sgl_kernel_stand_in, SGLANG_0_5_23, False),
     ("skip_cpu_compile_fake_ops", skip_cpu_compile_fake_ops, SGLANG_0_5_23, True),
+    ("plain_layer_boundary_records", plain_layer_boundary_records, SGLANG_0_5_23, True),
 )
 _version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
 
@@ -279,6 +321,12 @@ class ChildTarget:
 
     def __repr__(self) -> str:
         return f"ChildTarget({self.module!r}, {self.name!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ChildTarget) and (self.module, self.name) == (other.module, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.name))
 
 
 def _child_target(module: str, name: str) -> ChildTarget:
