@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -191,3 +192,26 @@ def test_bench_engine_context_length_flag(capsys):
             engine_bench.parse_args(["--model", "tiny-llama", "--context", "100", "--decode-steps", "4",
                                      "--context-length", bad])
         assert "--context-length" in capsys.readouterr().err
+
+
+def test_bench_engine_absorbed_prefill_sends_deepseek_prefill_to_the_mla_forward(monkeypatch):
+    """``bench-engine --absorbed-prefill``: the scheduler target registers SGLang's absorbed-MLA dispatch for the
+    benchmarked backends (torch_native cannot run DeepSeek's MHA prefill), then runs SGLang's scheduler."""
+    import compiled_attn.sglang.testing as H
+    from compiled_attn.bench import engine_bench
+
+    assert engine_bench.parse_args(["--model", "tiny-deepseek-v2", "--absorbed-prefill"]).absorbed_prefill
+    H.ensure_sglang_importable()
+    pytest.importorskip("sglang")
+    from sglang.srt.managers import scheduler
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    registry = handlers.AttentionBackendRegistry
+    monkeypatch.setattr(registry, "_handlers", dict(registry._handlers))  # restored afterwards
+    monkeypatch.setattr(scheduler, "run_scheduler_process", lambda *a, **k: ("scheduler", a, k))
+    assert registry.get_handler("torch_native") is not handlers._dispatch_mla_subtype
+    assert engine_bench.run_scheduler_absorbed_prefill(1, port=2) == ("scheduler", (1,), {"port": 2})
+    prefill = SimpleNamespace(forward_mode="EXTEND", extend_prefix_lens_cpu=[0, 0])  # no cached prefix
+    for name in ("torch_native", "compiled_attn"):
+        assert registry.get_handler(name)(SimpleNamespace(), prefill) == AttnForwardMethod.MLA

@@ -67,16 +67,9 @@ def _worker(spec: dict) -> dict:
     from compiled_attn.sglang import cpu_fixups, serve
 
     os.environ[VERIFY_LOG] = spec["verify_log"]  # inherited by the scheduler
-    cpu_fixups.apply()  # before engine_class() imports SGLang (serve.engine would do it after)
-    engine_cls = serve.engine_class()
-
-    class CountingEngine(engine_cls):
-        run_scheduler_process_func = staticmethod(cpu_fixups.ChildTarget("test_live_ngram",
-                                                                         "run_scheduler_counting_verify"))
-
-    serve._ENGINE_CLASS = CountingEngine  # serve.engine (checks, fix-ups, defaults) then starts this one
     t0 = time.perf_counter()
-    eng = serve.engine(model_path=spec["model_dir"], **ENGINE)
+    eng = serve.engine(model_path=spec["model_dir"], **ENGINE,
+                       scheduler_target=cpu_fixups.ChildTarget("test_live_ngram", "run_scheduler_counting_verify"))
     start_s = time.perf_counter() - t0
     sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     rounds = []

@@ -104,25 +104,27 @@ def server_argv(argv: list[str], cpu: bool) -> list[str]:
     return out
 
 
-_ENGINE_CLASS = None
+_ENGINE_CLASSES: dict = {}  # scheduler target -> engine class
 
 
-def engine_class():
+def engine_class(scheduler_target: cpu_fixups.ChildTarget | None = None):
     """``sglang.Engine`` with child-process targets that apply the fix-ups in the child before SGLang loads.
 
     ``run_scheduler_process_func`` / ``run_detokenizer_process_func`` are the class attributes SGLang offers for
-    replacing those targets. A subclass, so SGLang's own ``Engine`` is left as it is.
+    replacing those targets. A subclass, so SGLang's own ``Engine`` is left as it is. ``scheduler_target``
+    replaces SGLang's scheduler process function (a benchmark's or test's wrapper that patches something in the
+    scheduler process, then runs SGLang's ``run_scheduler_process``).
     """
-    global _ENGINE_CLASS
-    if _ENGINE_CLASS is None:
+    target = scheduler_target or cpu_fixups.run_scheduler_process
+    if target not in _ENGINE_CLASSES:
         from sglang.srt.entrypoints.engine import Engine
 
         class CPUEngine(Engine):
-            run_scheduler_process_func = staticmethod(cpu_fixups.run_scheduler_process)
+            run_scheduler_process_func = staticmethod(target)
             run_detokenizer_process_func = staticmethod(cpu_fixups.run_detokenizer_process)
 
-        _ENGINE_CLASS = CPUEngine
-    return _ENGINE_CLASS
+        _ENGINE_CLASSES[target] = CPUEngine
+    return _ENGINE_CLASSES[target]
 
 
 def _prepare() -> bool:
@@ -136,23 +138,25 @@ def _prepare() -> bool:
     return cpu
 
 
-def engine(**server_args_kwargs):
+def engine(*, scheduler_target: cpu_fixups.ChildTarget | None = None, **server_args_kwargs):
     """A ``sglang.Engine`` with the CPU fix-ups (on a CPU-only machine) and our backend as default.
 
     Takes ``sglang.Engine``'s keyword arguments (``model_path=...``, ``enable_torch_compile=True``, ...). Raises
     :class:`UnsupportedArgument` before starting anything for settings our backend cannot serve.
+    ``scheduler_target``: as :func:`engine_class`'s.
     """
     server_args_kwargs.setdefault("attention_backend", BACKEND)
     check_args(**{k: server_args_kwargs.get(k) for k in
                   ("attention_backend", "kv_cache_dtype", "speculative_algorithm", "page_size",
                    "enable_torch_compile")})
     cpu = _prepare()
-    if not cpu:
+    if not cpu and scheduler_target is None:
         from sglang.srt.entrypoints.engine import Engine
 
         return Engine(**server_args_kwargs)
-    server_args_kwargs.setdefault("device", "cpu")
-    return engine_class()(**server_args_kwargs)
+    if cpu:
+        server_args_kwargs.setdefault("device", "cpu")
+    return engine_class(scheduler_target)(**server_args_kwargs)  # with CUDA the fix-ups in the children do nothing
 
 
 def main(argv: list[str] | None = None) -> int:
