@@ -144,15 +144,18 @@ def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor
         return
     width = int(hi.max())
     # the common case first, in two ops (the table's least and greatest entry read, or stale but in the rows read)
+    table = None  # [bs, width], the rows read (a batch of one reads only its range, a view)
     if rows.numel() == 1:
-        first = req_to_token[int(rows[0]), int(lo[0]):width]  # one request: its read range, a view
+        first = req_to_token[int(rows[0]), int(lo[0]):width]
     else:
-        first = req_to_token[rows.to(req_to_token.device), :width]
+        first = table = req_to_token[rows.to(req_to_token.device), :width]
     if first.numel():
         low, high = (int(x) for x in torch.aminmax(first))
         if low >= 0 and high < num_slots:
             return
-    used = req_to_token[rows.to(req_to_token.device), :width].cpu()  # [bs, width]
+    if table is None:
+        table = req_to_token[rows.to(req_to_token.device), :width]
+    used = table.cpu()  # [bs, width]
     bad = (used < 0) | (used >= num_slots)
     pos = torch.arange(width)
     bad &= (pos >= lo[:, None]) & (pos < hi[:, None])  # stale entries outside the read ranges are allowed

@@ -37,10 +37,10 @@ from .decode import (
     DecodeIndex,
     aligned_kv_lo,
     build_decode_index,
-    decode_blocks_needed,
     gather_unit,
     merge_blocks,
     sinks_by_kv_head,
+    total_blocks_needed,
 )
 from .decode_fused import choose_fused, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize
@@ -160,7 +160,7 @@ def plan_verify(
         start = aligned_kv_lo(torch.zeros_like(prefix), unit)
         validate.check_slots(req_to_token, rows, start, prefix + k, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, prefix + k, page_size)
-    needed = int(decode_blocks_needed(torch.zeros_like(prefix), prefix, block_size, page_size).sum()) if bs else 0
+    needed = total_blocks_needed(torch.zeros_like(prefix), prefix, block_size, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
     mask = chain_mask(bs_cap, k, device).clone()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import validate
-from ..decode import decode_blocks_needed
+from ..decode import total_blocks_needed
 from ..verify import VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
 from ..verify_masks import check_custom_mask, draft_mask_from_custom
 from .backend_util import check_graph_blocks, graph_batch_size, graph_block_capacity, host_int64
@@ -89,7 +89,7 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
         raise ValueError(f"compiled_attn: seq_lens must have shape [{bs}] (the batch size), got {tuple(prefix.shape)}")
     validate.check_kv_end(prefix + k, backend.req_to_token.shape[1],
                           f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
-    needed = int(decode_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size).sum())
+    needed = total_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size)
     check_graph_blocks(f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
                        _capacity(backend, bs, state.block_size), state.block_size, backend.graph.kv_tokens)
     mask = state.draft_mask[:bs]
