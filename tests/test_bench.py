@@ -111,9 +111,12 @@ def test_torch_trace_has_decode_and_layer_ranges(tmp_path):
     assert not any(n.startswith("prefill_step") for n in names)  # the trace covers the decode steps only
 
 
-def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
-    """Buckets [1, 4]: after warm-up, no decode step compiles, and the first step of each bucket is within 1.5x
-    of the median. A real-shape model (deepseek-v2-lite, 1 layer) so a step is milliseconds, not Python noise."""
+def test_compiled_first_decode_within_3x_of_median_per_bucket(tmp_path):
+    """Buckets [1, 4]: after warm-up, no decode step compiles, and the first step of each bucket is within 3x of
+    the median. A real-shape model (deepseek-v2-lite, 1 layer) so a step is milliseconds, not Python noise. The
+    exact checks are the compile, fallback and recapture counts; the ratio only catches a spike, which a compile or
+    a capture in the first step makes hundreds of times the median. Its margin is wide because on a shared 2-core
+    machine one step of the 12 alone can take twice the median (CI once saw 13.3 ms against 6.9)."""
     rc, out = _run_in_process_of_its_own(
         tmp_path, "--model", "deepseek-v2-lite", "--layers", "1", "--batch-size", "1", "4", "--input-len", "64",
         "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4")
@@ -124,7 +127,7 @@ def test_compiled_first_decode_within_1_5x_of_median_per_bucket(tmp_path):
     for bs, bucket in (("1", "1x256"), ("4", "4x512")):  # 77 tokens = 2 blocks of 64 per request
         r = res["results"][bs]
         assert r["decode_buckets"] == [bucket] * 12
-        assert r["first_over_median"] <= 1.5, (bs, r["decode_latencies_s"])
+        assert r["first_over_median"] <= 3.0, (bs, r["decode_latencies_s"])
     stats = res["setup"]["graph_stats"]
     assert sum(s["fallbacks"] for s in stats) == 0
     assert sum(s["replays"] for s in stats) == 24
