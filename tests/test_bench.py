@@ -1,5 +1,5 @@
 """``compiled-attn bench`` on CPU: JSON fields, bad flags, the torch.profiler trace, and the bucketed latency check
-(the compiled backend's first decode after warm-up is within 1.5x of its median, per bucket)."""
+(the compiled backend's first decode after warm-up is within 3x of its median, per bucket, and compiles nothing)."""
 import importlib.util
 import json
 import os
