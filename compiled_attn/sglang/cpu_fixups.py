@@ -249,6 +249,24 @@ def plain_layer_boundary_records() -> bool:
     return swapped
 
 
+def eager_cpu_moe_loop() -> bool:
+    """Under ``--enable-torch-compile`` SGLang's CPU MoE (``moe_forward_native``: a host loop over the experts with
+    data-dependent token counts) recompiles its activation for every new count (~0.1 s each, up to dynamo's
+    recompile limit), so the first decodes of a live MoE engine spike: run that loop eagerly, as it runs between
+    graph breaks anyway."""
+    import torch
+
+    try:
+        from sglang.srt.layers.moe import fused_moe_native
+    except ImportError:
+        return False
+    loop = fused_moe_native.moe_forward_native
+    if getattr(loop, "_torchdynamo_disable", False):
+        return False
+    fused_moe_native.moe_forward_native = torch.compiler.disable(loop)  # callers import the name per call
+    return True
+
+
 def ensure_sglang_importable() -> None:
     """Harness mode: everything before the first ``import sglang`` to run SGLang's generic path on a CPU machine.
 
@@ -278,6 +296,7 @@ FIXUPS = (
     ("sgl_kernel_stand_in", install_sgl_kernel_stand_in, SGLANG_0_5_23, False),
     ("skip_cpu_compile_fake_ops", skip_cpu_compile_fake_ops, SGLANG_0_5_23, True),
     ("plain_layer_boundary_records", plain_layer_boundary_records, SGLANG_0_5_23, True),
+    ("eager_cpu_moe_loop", eager_cpu_moe_loop, SGLANG_0_5_23, True),
 )
 _version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
 
