@@ -123,7 +123,7 @@ def used_blocks(block_req: torch.Tensor, num_rows: int) -> torch.Tensor:
     context), and the fused kernel's cost follows the blocks it is given, so a batch of 1k-token requests in a graph
     sized for 4k computed about 4x its work. Under ``torch.compile`` this op's length is a data-dependent size
     (read on the host when the compiled step runs, never traced as a value), so the kernel loops over the used
-    blocks only, with one compile for every count. CPU only: a CUDA graph cannot record a host read."""
+    blocks only, and one compile serves every count. CPU only: a CUDA graph cannot record a host read."""
     return torch.arange(int((block_req < num_rows).sum()), device=block_req.device)
 
 
