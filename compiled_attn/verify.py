@@ -21,6 +21,9 @@ soft-capped models) a matmul form over the blocks. The draft block is always a s
 Everything after ``plan_verify`` is tensor code with static shapes per (batch capacity, ``k``, block capacity): no
 ``.item()``; the CPU forms' ops read their indices on the host (CPU tensors, never a device sync).
 
+Sliding-window layers: each draft token's window starts at its own position, so the prefix blocks cover only what
+every token sees and the few keys below them join the draft block under a per-row mask (``build_verify_index``).
+
 Custom mask layouts: ``verify_masks``.
 """
 from __future__ import annotations
@@ -90,16 +93,22 @@ class VerifyMetadata:
 
 @dataclass
 class VerifyIndex:
-    """Per-step index shared by every layer (``build_verify_index``).
+    """Per-step index shared by every layer of one window (``build_verify_index``).
 
-    prefix:      the prefix's split-KV blocks (``decode.DecodeIndex`` over ``[0, prefix_len)``)
-    draft_slots: [bs_cap, k] int64, KV slot of each draft key
-    draft_mask:  [bs_cap, k, k] bool
+    prefix:      the prefix's split-KV blocks (``decode.DecodeIndex`` over ``[lo, prefix_len)``: lo 0, or under a
+                 sliding window the start that every draft token's window covers)
+    draft_slots: [bs_cap, e + k] int64, KV slot of each key of the small masked block: the ``e`` edge keys just
+                 below ``lo`` (``k - 1`` under a window, else none), then the ``k`` draft keys
+    draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
+    inputs:      what the index was built from (a windowed layer's index is built from the same inputs)
+    window:      the sliding window, or None
     """
 
     prefix: DecodeIndex
     draft_slots: torch.Tensor
     draft_mask: torch.Tensor
+    inputs: VerifyInputs | None = None
+    window: int | None = None
 
 
 def verify_block_size(draft_len: int) -> int:
@@ -126,6 +135,7 @@ def plan_verify(
     block_size: int | None = None,
     check_slots: bool = True,
     page_size: int = 1,
+    sliding_window: int | None = None,
 ) -> VerifyMetadata:
     """Validate a verify batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
     prefix blocks of ``block_size`` tokens (defaults: what the batch needs).
@@ -135,7 +145,8 @@ def plan_verify(
     draft_len: k (int >= 1); custom_mask: None (chain) or flat bool/int8/uint8 of exactly the ``mask_layout``'s size
     (``"draft"``: ``bs * k * k``; ``"full"``: ``k * sum(prefix_lens) + bs * k * k``; see the module docstring).
     block_size: prefix block length (default ``verify_block_size(draft_len)``);
-    check_slots, page_size: as ``plan_decode`` (the checked range is ``[0, prefix_len + k)``).
+    check_slots, page_size: as ``plan_decode`` (the checked range is ``[0, prefix_len + k)``);
+    sliding_window: as ``build_verify_index`` (sizes the prefix blocks: those of its shorter range).
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("draft_len", draft_len)
@@ -160,7 +171,11 @@ def plan_verify(
         start = aligned_kv_lo(torch.zeros_like(prefix), unit)
         validate.check_slots(req_to_token, rows, start, prefix + k, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, prefix + k, page_size)
-    needed = total_blocks_needed(torch.zeros_like(prefix), prefix, block_size, page_size)
+    validate.check_window_and_cap(sliding_window, None)
+    lo = torch.zeros_like(prefix)
+    if sliding_window is not None:
+        lo = torch.minimum((prefix + (k - 1 - sliding_window)).clamp_min(0), prefix)
+    needed = total_blocks_needed(lo, prefix, block_size, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
     mask = chain_mask(bs_cap, k, device).clone()
@@ -177,17 +192,39 @@ def plan_verify(
 
 
 def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1, *,
-                       host_form: bool = True) -> VerifyIndex:
-    """The prefix blocks (``build_decode_index`` over ``[0, prefix_len)``, ``host_form`` as there) and the draft
-    keys' slots; pure tensor code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs``
-    or static buffers."""
+                       host_form: bool = True, sliding_window: int | None = None) -> VerifyIndex:
+    """The prefix blocks (``build_decode_index``, ``host_form`` as there) and the masked block's slots; pure tensor
+    code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs`` or static buffers.
+
+    sliding_window ``w``: draft token ``i`` sits at ``prefix_len + depth_i`` (its depth in the chain or tree: the
+    draft keys its mask row shows, less one) and sees keys from ``prefix_len + depth_i - w`` on, as a decode query
+    does. The prefix blocks cover ``[lo, prefix_len)`` with ``lo`` the deepest possible token's start
+    (``prefix_len + k - 1 - w``, within ``[0, prefix_len]``), which every token sees whole; the ``k - 1`` positions
+    below ``lo`` join the draft keys in the small masked block, each row seeing those inside its window. So the
+    shapes stay those of the batch (``k - 1`` more keys), graph-ready."""
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
-    blocks = build_decode_index(req_to_token, DecodeInputs(rows, torch.zeros_like(prefix), prefix, block_ids,
-                                                           block_offsets), page_size, host_form=host_form)
-    pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
-    draft_slots = req_to_token[rows[:, None], pos].to(torch.int64)
-    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask)
+    steps = torch.arange(k, device=prefix.device)
+    draft_pos = prefix[:, None] + steps  # [bs, k]
+    lo = torch.zeros_like(prefix)
+    edge_slots = edge_mask = None
+    if sliding_window is not None:
+        lo = torch.minimum((prefix + (k - 1 - sliding_window)).clamp_min(0), prefix)
+        depth = mask.sum(-1) - 1  # [bs, k]: a row sees itself and its ancestors
+        edge_pos = lo[:, None] - (k - 1) + steps[: k - 1]  # [bs, k - 1], below lo
+        first = prefix[:, None] + depth - sliding_window  # [bs, k]: each row's first visible position
+        edge_mask = (edge_pos[:, None, :] >= 0) & (edge_pos[:, None, :] >= first[:, :, None])
+        edge_slots = req_to_token[rows[:, None], edge_pos.clamp_min(0)].to(torch.int64)
+        # a draft key (at prefix + depth_j) outside a row's window: only when w < k - 1
+        mask = mask & (depth[:, None, :] >= depth[:, :, None] - sliding_window)
+    blocks = build_decode_index(req_to_token, DecodeInputs(rows, lo, prefix, block_ids, block_offsets), page_size,
+                                host_form=host_form)
+    draft_slots = req_to_token[rows[:, None], draft_pos].to(torch.int64)
+    if edge_slots is not None:
+        draft_slots = torch.cat([edge_slots, draft_slots], 1)
+        mask = torch.cat([edge_mask, mask], 2)
+    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs,
+                       window=sliding_window)
 
 
 def verify_blocks(
@@ -221,10 +258,11 @@ def verify_blocks(
         return q.new_zeros(0, hq, dv)
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
                          rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and k_cache.dtype not in HALF_DTYPES)
-    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
+    # the flash form reads each prefix as one run of positions from 0; a window's prefix starts later
+    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap) and index.window is None
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
-        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
+        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv, logit_cap=None and no sliding window")
     # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
@@ -297,37 +335,41 @@ def _masked_softmax_parts(s, valid, logit_cap):
 
 
 def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
-    """Each request's ``k`` queries over its ``k`` draft keys under the chain/tree mask (a tiny matmul: ``k``
-    keys) -> (m, lsum, o) of shapes [bs, Hkv, k * group(, Dv)], o unnormalised, float32."""
+    """Each request's ``k`` queries over its masked block (the ``k`` draft keys under the chain/tree mask, after a
+    window's edge keys: a tiny matmul) -> (m, lsum, o) of shapes [bs, Hkv, k * group(, Dv)], o unnormalised,
+    float32."""
     bs, hkv, rows, dqk = qg.shape
-    k, dv = index.draft_mask.shape[1], v_cache.shape[2]
+    k, nk, dv = index.draft_mask.shape[1], index.draft_mask.shape[2], v_cache.shape[2]
     flat = index.draft_slots.reshape(-1)
-    kd = dequantize(k_cache.index_select(0, flat), torch.float32, k_scale).view(bs, k, hkv, dqk).transpose(1, 2)
+    kd = dequantize(k_cache.index_select(0, flat), torch.float32, k_scale).view(bs, nk, hkv, dqk).transpose(1, 2)
     if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):
         vd = kd[..., :dv]
     else:
-        vd = dequantize(v_cache.index_select(0, flat), torch.float32, v_scale).view(bs, k, hkv, dv).transpose(1, 2)
-    s = torch.matmul(qg.float() * scale, kd.transpose(-1, -2))  # [bs, Hkv, k * group, k]
+        vd = dequantize(v_cache.index_select(0, flat), torch.float32, v_scale).view(bs, nk, hkv, dv).transpose(1, 2)
+    s = torch.matmul(qg.float() * scale, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
     # query row (i, g) of the grouped layout takes mask row i
-    mask = index.draft_mask[:, None, :, None, :].expand(bs, 1, k, rows // k, k).reshape(bs, 1, rows, k)
+    mask = index.draft_mask[:, None, :, None, :].expand(bs, 1, k, rows // k, nk).reshape(bs, 1, rows, nk)
     m, p = _masked_softmax_parts(s, mask, logit_cap)
     return m, p.sum(-1), torch.matmul(p, vd)
 
 
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
-                     k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None,
+                     sliding_window=None) -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
     req_to_token: [max_reqs, max_context_len]; req_pool_indices, prefix_lens: [bs]; draft_len: k; custom_mask:
-    None (chain) or SGLang's flat tree mask in ``mask_layout``. Returns [bs * k, Hq, Dv] in q.dtype.
+    None (chain) or SGLang's flat tree mask in ``mask_layout``; sliding_window: each draft token's window as a
+    decode query's, from its own position. Returns [bs * k, Hq, Dv] in q.dtype.
     """
-    validate.check_window_and_cap(None, logit_cap)
+    validate.check_window_and_cap(sliding_window, logit_cap)
     validate.check_scales(k_scale, v_scale)
     meta = plan_verify(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask,
-                       mask_layout=mask_layout, block_size=block_size, page_size=page_size)
-    index = build_verify_index(req_to_token, meta.inputs, page_size)
+                       mask_layout=mask_layout, block_size=block_size, page_size=page_size,
+                       sliding_window=sliding_window)
+    index = build_verify_index(req_to_token, meta.inputs, page_size, sliding_window=sliding_window)
     return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
                          v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, fused=fused,
                          k_scale=k_scale, v_scale=v_scale, sinks=sinks)

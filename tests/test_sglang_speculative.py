@@ -68,8 +68,9 @@ def _reference(batch, masks, layer_id=0, logit_cap=None, sinks=None, window=None
             s = logit_cap * torch.tanh(s / logit_cap)
         vis = torch.ones(q.shape[0], kk.shape[0], dtype=torch.bool)
         vis[:, p:] = masks[i]
-        if window is not None:  # query j at position p + j sees keys from p + j - window on
-            vis &= torch.arange(kk.shape[0])[None, :] >= (p + torch.arange(q.shape[0]))[:, None] - window
+        if window is not None:  # draft token j sits at p + its depth, and sees keys from there - window on
+            pos = torch.cat([torch.arange(p), p + masks[i].sum(-1) - 1])
+            vis &= pos[None, :] >= pos[p:, None] - window
         s = s.masked_fill(~vis[None], float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
@@ -165,25 +166,24 @@ def test_target_verify_errors():
     batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=3, topk=1, custom_mask=None)
     with pytest.raises(ValueError, match="draft_len"):  # 16 tokens are not 4 requests of 3
         _run_layers(backend, batch, [H.make_layer(g)])
-    batch.forward_batch.spec_info = SimpleNamespace(draft_token_num=K, topk=4, custom_mask=torch.ones(
-        len(PREFIX) * K * K, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="sliding-window"):  # a tree under a window
-        _run_layers(backend, batch, [H.make_layer(g, 0, 8)])
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("window", [2, 8, 100])
-def test_target_verify_chain_on_sliding_window_layers(window):
-    """A chain on a windowed layer (gpt-oss alternates them): each draft token sees its own window, through the
-    tiled extend; a full-attention layer of the same forward still takes verify."""
+def test_target_verify_on_sliding_window_layers(window, tree):
+    """A windowed layer (gpt-oss alternates them): each draft token sees the window from its own position (prefix
+    + its depth in the tree); a full-attention layer of the same forward sees the whole prefix."""
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=18, num_layers=2)
-    spec = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
+    if tree:
+        masks, spec = _tree_spec(7)
+    else:
+        masks, spec = chain_mask(len(PREFIX), K), SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
     batch = _verify_batch(mr, PREFIX, K, spec, layer_ids=(0, 1))
     layers = [H.make_layer(g, 0, window), H.make_layer(g, 1)]
     out = _run_layers(CompiledAttnBackend(mr), batch, layers)
-    chain = chain_mask(len(PREFIX), K)
-    torch.testing.assert_close(out[0].double(), _reference(batch, chain, window=window), atol=1e-4, rtol=0)
-    torch.testing.assert_close(out[1].double(), _reference(batch, chain, layer_id=1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[0].double(), _reference(batch, masks, window=window), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1].double(), _reference(batch, masks, layer_id=1), atol=1e-4, rtol=0)
 
 
 def test_target_verify_with_sinks():
@@ -287,11 +287,13 @@ def _replay(backend, buf, graphs, batch, spec, g):
     return [o[: n * K] for o in outs]
 
 
-@pytest.mark.parametrize(("geom", "layout", "page_size"), [("gqa", "draft", 1), ("gqa", "full", 1),
-                                                          ("gqa", "draft", 16), ("mla_absorbed", "full", 1)])
-def test_target_verify_graph_capture_and_replay(monkeypatch, geom, layout, page_size):
+@pytest.mark.parametrize(("geom", "layout", "page_size", "window"), [
+    ("gqa", "draft", 1, None), ("gqa", "full", 1, None), ("gqa", "draft", 16, None), ("mla_absorbed", "full", 1, None),
+    ("gqa", "draft", 1, 6), ("gqa", "full", 16, 30)])
+def test_target_verify_graph_capture_and_replay(monkeypatch, geom, layout, page_size, window):
     """Graphs of 2 and 4 rows on one set of static buffers; three batches (a tree padded 3 -> 4, a chain of 2, a
-    tree of 4) replayed through them equal the float64 reference and the eager TARGET_VERIFY path; no recompile."""
+    tree of 4) replayed through them equal the float64 reference and the eager TARGET_VERIFY path; no recompile.
+    With ``window``, layer 0 is a sliding-window layer (its index recorded in the graph too)."""
     import compiled_attn.sglang.speculative as S
     import compiled_attn.sglang.speculative_graphs as SGR
     monkeypatch.setattr(SGR, "mask_layout", lambda device: layout)
@@ -301,7 +303,7 @@ def test_target_verify_graph_capture_and_replay(monkeypatch, geom, layout, page_
     mr = H.make_model_runner(g, num_layers=2, seed=21, page_size=page_size)
     backend = CompiledAttnBackend(mr)
     backend.init_cuda_graph_state(MAX_BS, MAX_BS * K)
-    layers = [H.make_layer(g, 0), H.make_layer(g, 1)]
+    layers = [H.make_layer(g, 0, window), H.make_layer(g, 1)]
     buf, compiles = _runner_buffers(backend, g, (0, 1)), []
     graphs = {bs: _capture(backend, buf, layers, bs, compiles) for bs in (4, 2)}  # largest first, as SGLang
     assert len(compiles) == 2
@@ -313,14 +315,15 @@ def test_target_verify_graph_capture_and_replay(monkeypatch, geom, layout, page_
         outs = _replay(backend, buf, graphs, batch, spec, g)
         eager = _run_layers(CompiledAttnBackend(mr), batch, layers)
         for lid, (out, ref) in enumerate(zip(outs, eager, strict=True)):
-            torch.testing.assert_close(out.double(), _reference(batch, masks, lid), atol=1e-4, rtol=0)
+            torch.testing.assert_close(out.double(), _reference(batch, masks, lid, window=window if lid == 0 else None),
+                                       atol=1e-4, rtol=0)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert len(compiles) == 2, "a replay recompiled the recorded part"
 
 
 def test_target_verify_graph_errors(monkeypatch):
     """Host checks before a replay: a batch beyond the captured KV capacity, a draft count never captured, a mask
-    of the wrong size; a sliding-window layer refuses to be captured."""
+    of the wrong size."""
     monkeypatch.setenv("COMPILED_ATTN_GRAPH_KV_TOKENS", "64")
     torch._dynamo.reset()
     g = H.GEOMETRIES["gqa"]
@@ -342,5 +345,3 @@ def test_target_verify_graph_errors(monkeypatch):
     bad = SimpleNamespace(draft_token_num=K, topk=4, custom_mask=torch.ones(short, dtype=torch.bool))
     with pytest.raises(ValueError, match=f"custom_mask has {short} elements"):
         _replay(backend, buf, graphs, batch, bad, g)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        _capture(backend, buf, [H.make_layer(g, 0, 8)], 2, compiles, compile=False)

@@ -21,11 +21,13 @@ Graphs: with speculative decoding on, SGLang's CUDA graph runner captures ``TARG
 size, ``bs * k`` tokens) and the backend's graph hooks serve it (``speculative_graphs``): host checks and the copy
 of the step's tree mask into a static buffer out of the graph, the verify index built from static buffers in it;
 each layer then runs the same ``verify_blocks`` as eagerly. Chains and trees in both mask layouts, padded batch
-sizes, pages and absorbed MLA are tested that way. Not captured: sliding-window layers (their chain runs as a
-planned extend: ``NotImplementedError`` at capture). SGLang's CPU graph runner refuses speculative decoding, so on
-CPU verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly with
-``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy
-tokens equal to transformers').
+sizes, pages, sliding-window layers and absorbed MLA are tested that way. A sliding-window layer (gpt-oss alternates
+them) builds its own index from the same inputs once per forward (``build_verify_index``'s ``sliding_window``: each
+draft token's window from its own position), in a graph and for trees; an eager chain there runs as the windowed
+extend it is. SGLang's CPU graph runner refuses speculative
+decoding, so on CPU verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly
+with ``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask,
+greedy tokens equal to transformers').
 """
 from __future__ import annotations
 
@@ -86,19 +88,16 @@ def with_written_slots(index: VerifyIndex, out_cache_loc, bs: int, k: int) -> Ve
     table holds the same slots); the table's slots when ``out_cache_loc`` is absent or of another size."""
     if out_cache_loc is None or out_cache_loc.numel() != bs * k:
         return index
-    return replace(index, draft_slots=out_cache_loc.view(bs, k).to(torch.int64))
+    written = out_cache_loc.view(bs, k).to(torch.int64)
+    edge = index.draft_slots.shape[1] - k  # a window's edge keys come first, read through the table
+    return replace(index, draft_slots=torch.cat([index.draft_slots[:, :edge], written], 1) if edge else written)
 
 
 def _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks) -> torch.Tensor:
-    """A sliding-window layer (gpt-oss alternates them): each draft token's window starts at its own position, so
-    the prefix is not seen whole by all ``k`` queries. For a chain that is exactly a causal, windowed extend of the
-    ``k`` draft tokens over their prefix: the tiled extend runs it (index built once per forward). A tree under a
-    window is refused."""
-    spec = getattr(forward_batch, "spec_info", None)
-    k = draft_len_of(spec)
-    if not is_chain(spec):
-        raise NotImplementedError("compiled_attn: TARGET_VERIFY with a tree mask on a sliding-window layer is not "
-                                  "supported yet (chains are)")
+    """A chain on a sliding-window layer, eagerly: exactly a causal, windowed extend of the ``k`` draft tokens over
+    their prefix, which the tiled extend runs through the CPU flash kernel (index built once per forward): faster on
+    CPU than the windowed verify's matmul form, which trees and graphs take."""
+    k = draft_len_of(getattr(forward_batch, "spec_info", None))
     cap = layer_logit_cap(layer)
     flash = supports_tile_flash(q3, k_cache, v_cache, cap)
     state = backend._state_for(forward_batch, decode=False)
@@ -147,14 +146,20 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
     state = _verify_state(backend, forward_batch)
     window = layer_window(layer)
-    if window is not None:
-        if state.static:  # its plan_extend reads the lengths on the host: no graph can record it
-            raise NotImplementedError("compiled_attn: TARGET_VERIFY graphs with sliding-window layers are not "
-                                      "supported yet; disable CUDA graphs (--disable-cuda-graph)")
+    if window is not None and not state.static and is_chain(getattr(forward_batch, "spec_info", None)):
         return _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
         index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)
+    if window is not None:  # built from the same inputs, once per forward (recorded when in a graph)
+        key = (*VERIFY_KEY, window)
+        windowed = state.extend.get(key)
+        if windowed is None:
+            windowed = build_verify_index(backend.req_to_token, index.inputs, backend.page_size,
+                                          host_form=not state.static, sliding_window=window)
+            windowed = state.extend[key] = with_written_slots(windowed, getattr(forward_batch, "out_cache_loc", None),
+                                                              index.draft_mask.shape[0], index.draft_mask.shape[1])
+        index = windowed
     k_scale, v_scale = backend._layer_scales(layer)
     o = verify_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
                       v_shares_k=backend.v_shares_k, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
