@@ -133,3 +133,19 @@ def test_compiles_once_per_bucket(form):
         assert (out[: bs * k].double() - ref).abs().max() < 1e-5
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] == graphs[2], f"recompiled within one bucket: {graphs}"
+
+
+@pytest.mark.cuda
+def test_cuda_matches_reference_and_compiles_once():
+    """The CUDA twin of the tests above: the matmul form on the GPU, eagerly and compiled (fullgraph), trees."""
+    torch._dynamo.reset()
+    k, dev = 4, "cuda"
+    b, prefix = _case([5, 0, 130, 64], k, seed=3)
+    masks = random_trees(4, k, torch.Generator().manual_seed(8))
+    ref = reference_window(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 50, 0.25)
+    meta = plan_verify(b.q.to(dev), b.k_cache.to(dev), b.v_cache.to(dev), b.req_to_token.to(dev), b.rows.to(dev),
+                       prefix.to(dev), k, masks.reshape(-1).to(dev), sliding_window=50)
+    args = (b.q.to(dev), b.k_cache.to(dev), b.v_cache.to(dev), b.req_to_token.to(dev), meta.inputs, "matmul")
+    assert (window_step(*args).double().cpu() - ref).abs().max() < 1e-4
+    fn = compile_step(window_step, dynamic=False)
+    assert (fn(*args).double().cpu() - ref).abs().max() < 1e-4
