@@ -217,12 +217,11 @@ def verify_step(q, k_cache, v_cache, table, inputs, form: str):
     return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), 0.25, **FORMS[form])
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-def test_compiles_once_per_bucket(form):
-    """fullgraph=True; batches of another size, other prefixes and other trees in one bucket (batch capacity 4,
-    block capacity 12) reuse the graph."""
+def compiles_once_per_bucket(step, form, reference):
+    """``step`` compiled (fullgraph=True) over batches of other sizes, prefixes and trees in one bucket (batch
+    capacity 4, block capacity 12), each against ``reference(q, b, prefix, k, masks)``; asserts one graph."""
     torch._dynamo.reset()
-    fn = compile_step(verify_step, dynamic=False)
+    fn = compile_step(step, dynamic=False)
     k, cap = 4, 4
     b, _ = _case([150, 150, 150, 150], k, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -236,10 +235,15 @@ def test_compiles_once_per_bucket(form):
         meta = plan_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows[:bs], prefix, k,
                            masks.reshape(-1), batch_capacity=cap, block_capacity=12, block_size=64)
         out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, form)
-        ref = reference_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
-        assert (out[: bs * k].double() - ref).abs().max() < 1e-5
+        assert (out[: bs * k].double() - reference(q[: bs * k], b, prefix, k, masks)).abs().max() < 1e-5
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] == graphs[2], f"recompiled within one bucket: {graphs}"
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_compiles_once_per_bucket(form):
+    compiles_once_per_bucket(verify_step, form, lambda q, b, prefix, k, masks: reference_verify(
+        q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25))
 
 
 @pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (4, torch.bfloat16)])

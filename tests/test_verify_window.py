@@ -6,8 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_verify import _case, random_trees
-from torch._dynamo.utils import counters
+from test_verify import _case, compiles_once_per_bucket, random_trees
 
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import build_verify_index, chain_mask, plan_verify, verify_attention, verify_blocks
@@ -113,26 +112,8 @@ def window_step(q, k_cache, v_cache, table, inputs, form: str):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_compiles_once_per_bucket(form):
     """fullgraph=True: batches of other sizes, prefixes and trees in one bucket reuse the windowed graph."""
-    torch._dynamo.reset()
-    fn = compile_step(window_step, dynamic=False)
-    k, cap = 4, 4
-    b, _ = _case([150, 150, 150, 150], k, seed=5)
-    g = torch.Generator().manual_seed(6)
-    graphs = []
-    for prefix in ([5, 70, 1, 130], [64, 0, 100], [130]):
-        bs = len(prefix)
-        prefix = torch.tensor(prefix)
-        masks = random_trees(bs, k, g)
-        q = torch.zeros(cap * k, 4, 16)
-        q[: bs * k] = b.q[: bs * k]
-        meta = plan_verify(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows[:bs], prefix, k,
-                           masks.reshape(-1), batch_capacity=cap, block_capacity=12, block_size=64)
-        out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, form)
-        ref = reference_window(q[: bs * k], b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 50,
-                               0.25)
-        assert (out[: bs * k].double() - ref).abs().max() < 1e-5
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[0] == graphs[1] == graphs[2], f"recompiled within one bucket: {graphs}"
+    compiles_once_per_bucket(window_step, form, lambda q, b, prefix, k, masks: reference_window(
+        q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 50, 0.25))
 
 
 @pytest.mark.cuda
