@@ -258,11 +258,14 @@ def verify_blocks(
         return q.new_zeros(0, hq, dv)
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
                          rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and k_cache.dtype not in HALF_DTYPES)
-    # the flash form reads each prefix as one run of positions from 0; a window's prefix starts later
-    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap) and index.window is None
+    # the flash form reads each prefix's valid keys as one run from its first block's start: under a window that
+    # start is the window's only when blocks start at any position (gather unit 1), not at a page boundary
+    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap) and (index.window is None
+                                                                           or index.prefix.unit == 1)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
-        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv, logit_cap=None and no sliding window")
+        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv, logit_cap=None and, under a sliding window, "
+                         "page_size 1")
     # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens

@@ -1,7 +1,7 @@
 """Verify on a sliding-window layer (gpt-oss alternates them): every draft token's window starts at its own
 position (``prefix + depth``), chains and trees, against a plain float64 reference written per query token; the
-matmul and fused prefix forms (the flash form reads a prefix from position 0 and is refused), pages, sinks,
-hypothesis cases, and one compile per bucket."""
+three prefix forms (the flash form at page size 1 only: it reads a prefix's keys from its first block's start),
+slots scattered and in runs (read in place), pages, sinks, hypothesis cases, and one compile per bucket."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +11,8 @@ from test_verify import _case, compiles_once_per_bucket, random_trees
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import build_verify_index, chain_mask, plan_verify, verify_attention, verify_blocks
 
-FORMS = {"matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+PAGED_FORMS = {name: FORMS[name] for name in ("matmul", "fused")}  # flash under a window: page size 1 only
 
 
 def reference_window(q, k_cache, v_cache, table, rows, prefix, k, masks, window, scale, sinks=None):
@@ -43,17 +44,21 @@ def reference_window(q, k_cache, v_cache, table, rows, prefix, k, masks, window,
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("window", [0, 2, 7, 64, 1000])
-def test_matches_reference(window, tree, form):
+@pytest.mark.parametrize("slots", ["scattered", "engine"])
+def test_matches_reference(slots, window, tree, form):
     k = 4
-    b, prefix = _case([5, 0, 130, 64, 1, 3], k, hq=8, hkv=2)
+    b, prefix = _case([5, 0, 130, 64, 1, 3], k, hq=8, hkv=2, slot_layout=slots)
     masks = random_trees(len(prefix), k, torch.Generator().manual_seed(1)) if tree else chain_mask(len(prefix), k)
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
                            masks.reshape(-1) if tree else None, sliding_window=window, **FORMS[form])
     ref = reference_window(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, window, 16 ** -0.5)
     assert (out.double() - ref).abs().max() < 1e-5
+    single = verify_attention(b.q[2 * k:3 * k], b.k_cache, b.v_cache, b.req_to_token, b.rows[2:3], prefix[2:3], k,
+                              masks[2].reshape(-1) if tree else None, sliding_window=window, **FORMS[form])
+    assert (single.double() - ref[2 * k:3 * k]).abs().max() < 1e-5  # a batch of one: its own host path
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", list(PAGED_FORMS))
 def test_pages_and_sinks(form):
     k = 3
     masks = random_trees(3, k, torch.Generator().manual_seed(4))
@@ -82,11 +87,16 @@ def test_index_reads_only_the_window():
     assert edge.tolist() == [[e >= i for e in range(k - 1)] for i in range(k)]
 
 
-def test_flash_form_is_refused_under_a_window():
-    b, prefix = _case([30], 2)
-    with pytest.raises(ValueError, match="no sliding window"):
+def test_flash_form_is_refused_under_a_window_with_pages():
+    b, prefix = _case([30], 2, page_size=16)
+    with pytest.raises(ValueError, match="under a sliding window, page_size 1"):
         verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=8,
-                         cpu_flash=True)
+                         cpu_flash=True, page_size=16)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=8,
+                           page_size=16)  # the form picked by itself is another
+    ref = reference_window(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, chain_mask(1, 2), 8,
+                           16 ** -0.5)
+    assert (out.double() - ref).abs().max() < 1e-5
     with pytest.raises(ValueError, match="sliding_window must be a non-negative int"):
         plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=-1)
 

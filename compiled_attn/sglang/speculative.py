@@ -23,11 +23,10 @@ of the step's tree mask into a static buffer out of the graph, the verify index 
 each layer then runs the same ``verify_blocks`` as eagerly. Chains and trees in both mask layouts, padded batch
 sizes, pages, sliding-window layers and absorbed MLA are tested that way. A sliding-window layer (gpt-oss alternates
 them) builds its own index from the same inputs once per forward (``build_verify_index``'s ``sliding_window``: each
-draft token's window from its own position), in a graph and for trees; an eager chain there runs as the windowed
-extend it is. SGLang's CPU graph runner refuses speculative
-decoding, so on CPU verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly
-with ``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask,
-greedy tokens equal to transformers').
+draft token's window from its own position); with pages, an eager chain there runs as the windowed extend it is.
+SGLang's CPU graph runner refuses speculative decoding, so on CPU verify runs eagerly or under the model's
+``torch.compile``. A live CPU engine runs it eagerly with ``--speculative-algorithm NGRAM``
+(``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy tokens equal to transformers').
 """
 from __future__ import annotations
 
@@ -94,9 +93,10 @@ def with_written_slots(index: VerifyIndex, out_cache_loc, bs: int, k: int) -> Ve
 
 
 def _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks) -> torch.Tensor:
-    """A chain on a sliding-window layer, eagerly: exactly a causal, windowed extend of the ``k`` draft tokens over
-    their prefix, which the tiled extend runs through the CPU flash kernel (index built once per forward): faster on
-    CPU than the windowed verify's matmul form, which trees and graphs take."""
+    """A chain on a sliding-window layer, eagerly, with pages: exactly a causal, windowed extend of the ``k`` draft
+    tokens over their prefix, which the tiled extend runs through the CPU flash kernel (index built once per
+    forward). With pages the windowed verify cannot use that kernel (its blocks start at a page boundary, before
+    the window) and its matmul form was slower on CPU; at page size 1 the windowed verify's flash form was faster."""
     k = draft_len_of(getattr(forward_batch, "spec_info", None))
     cap = layer_logit_cap(layer)
     flash = supports_tile_flash(q3, k_cache, v_cache, cap)
@@ -146,7 +146,8 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
     state = _verify_state(backend, forward_batch)
     window = layer_window(layer)
-    if window is not None and not state.static and is_chain(getattr(forward_batch, "spec_info", None)):
+    if (window is not None and not state.static and backend.page_size > 1
+            and is_chain(getattr(forward_batch, "spec_info", None))):
         return _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
