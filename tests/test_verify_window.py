@@ -126,6 +126,14 @@ def test_compiles_once_per_bucket(form):
         q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 50, 0.25))
 
 
+def test_bench_verify_case_with_a_window():
+    """``bench-ops --ops verify --window``: the row checks the windowed verify against its own masked loop."""
+    from compiled_attn.bench.ops_verify import bench_verify_case
+
+    row = bench_verify_case(2, 3, True, 1, name="tiny-mha", window=40)
+    assert row["window"] == 40 and row["verify_ms"] > 0 and row["loop_x"] > 0
+
+
 @pytest.mark.cuda
 def test_cuda_matches_reference_and_compiles_once():
     """The CUDA twin of the tests above: the matmul form on the GPU, eagerly and compiled (fullgraph), trees."""

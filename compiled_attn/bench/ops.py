@@ -138,6 +138,8 @@ def _parse(argv):
                    help="default: mha mla (none with --sweep-len); verify: speculative verify of k draft tokens")
     p.add_argument("--draft", nargs="+", default=["2", "4", "8", "tree8"], choices=["2", "4", "8", "tree8"],
                    help="verify: k draft tokens as a chain, or tree8 (a random tree of 8)")
+    p.add_argument("--window", type=int, nargs="+", default=[None],
+                   help="verify: sliding windows (a window layer's, e.g. gpt-oss's 128); default: none")
     p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
                    help="default: 1 8 32 (decode), 1 4 16 (extend)")
     p.add_argument("--lens", nargs="+", default=["mixed", "1024"], choices=["mixed", "1024"], help="decode contexts")
@@ -193,8 +195,9 @@ def _run_cases(args) -> None:
         from .ops_verify import bench_verify_case
 
         rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters,
-                                  slot_layout=layout, dtype=dtype)
-                for layout in args.slot_layout for d in args.draft for bs in args.batch_size or [1, 8, 32]]
+                                  slot_layout=layout, dtype=dtype, window=window)
+                for window in args.window for layout in args.slot_layout for d in args.draft
+                for bs in args.batch_size or [1, 8, 32]]
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
               "masked per-request SDPA loop / verify")

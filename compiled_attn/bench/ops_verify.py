@@ -9,6 +9,8 @@ draft tokens each, as a chain (topk 1) or a random tree, in the model's dtype (q
   * ``loop``:    per request, SDPA of its ``k`` queries over its ``prefix + k`` keys with the bool mask (the
     efficient per-request form; SGLang's torch_native has no verify, and its extend algorithm pads the queries to
     the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only).
+With ``window`` (a sliding-window layer's, as gpt-oss alternates them) all four read each token's window only: draft
+token ``i`` at ``prefix + depth_i`` sees keys from there less the window on.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from .batches import make_batch
 from .models import get_attention_shape
 from .ops import mark_as_bucket
 
-COLUMNS = ["op", "bs", "k", "mask", "slots", "dtype", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms", "x_decode1",
-           "decodek_x", "loop_x", "tokens"]
+COLUMNS = ["op", "bs", "k", "mask", "window", "slots", "dtype", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms",
+           "x_decode1", "decodek_x", "loop_x", "tokens"]
 
 
 def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
@@ -38,15 +40,15 @@ def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def _verify_step(q, k_cache, v_cache, table, inputs, scale):
-    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs), scale)
+def _verify_step(q, k_cache, v_cache, table, inputs, scale, window=None):
+    return verify_blocks(q, k_cache, v_cache, build_verify_index(table, inputs, sliding_window=window), scale)
 
 
 def _decode_step(q, k_cache, v_cache, table, inputs, scale):
     return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale)
 
 
-def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale):
+def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale, window=None):
     """Per request: gather its ``prefix + k`` keys, one SDPA of its ``k`` queries with the [k, prefix + k] mask."""
     hq, hkv = q.shape[1], k_cache.shape[1]
     out = []
@@ -55,6 +57,9 @@ def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale):
         kk, vv = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
         m = torch.ones(k, p + k, dtype=torch.bool)
         m[:, p:] = mask[b]
+        if window is not None:  # token i sits at p + its depth (the draft keys its row sees, less one)
+            pos = torch.cat([torch.arange(p), p + mask[b].sum(-1) - 1])
+            m &= pos[None, :] >= pos[p:, None] - window
         qq = q[b * k:(b + 1) * k].transpose(0, 1)[None]
         out.append(torch.nn.functional.scaled_dot_product_attention(
             qq, kk, vv, attn_mask=m, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1))
@@ -62,7 +67,8 @@ def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale):
 
 
 def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0, name: str = "mha",
-                      slot_layout: str = "scattered", dtype: torch.dtype = torch.float32) -> dict:
+                      slot_layout: str = "scattered", dtype: torch.dtype = torch.float32,
+                      window: int | None = None) -> dict:
     """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
     ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop)."""
     shape = get_attention_shape(name)
@@ -74,18 +80,18 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     scale = shape.dqk ** -0.5
     mask = (torch.stack([random_tree(k, g) for _ in range(bs)]) if tree
             else torch.ones(k, k, dtype=torch.bool).tril().expand(bs, k, k))
-    meta = plan_verify(q, kc, vc, table, rows, prefix, k, mask.reshape(-1) if tree else None)
+    meta = plan_verify(q, kc, vc, table, rows, prefix, k, mask.reshape(-1) if tree else None, sliding_window=window)
     verify = compile_step(_verify_step)
     decode = compile_step(_decode_step)
     q1 = q.view(bs, k, shape.hq, shape.dqk)
     # decode step j: the j-th draft token over the prefix and the j drafts before it (a chain's decode)
-    steps = [(q1[:, j].contiguous(), plan_decode(q1[:, j], kc, vc, table, rows, prefix + j + 1).inputs)
-             for j in range(k)]
+    steps = [(q1[:, j].contiguous(), plan_decode(q1[:, j], kc, vc, table, rows, prefix + j + 1,
+                                                 sliding_window=window).inputs) for j in range(k)]
     for qj, inputs in [(q, meta.inputs), *steps]:
         mark_as_bucket(qj, kc, vc, table, inputs.block_offsets)
 
     def run_verify():
-        return verify(q, kc, vc, table, meta.inputs, scale)
+        return verify(q, kc, vc, table, meta.inputs, scale, window)
 
     def run_decode1():
         return decode(steps[0][0], kc, vc, table, steps[0][1], scale)
@@ -94,14 +100,15 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
         return [decode(qj, kc, vc, table, inputs, scale) for qj, inputs in steps]
 
     def run_loop():
-        return _loop(q, kc, vc, table, rows, prefix, k, mask, scale)
+        return _loop(q, kc, vc, table, rows, prefix, k, mask, scale, window)
 
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(run_verify().float(), run_loop().float(), atol=tol, rtol=tol)
     times = time_interleaved({"verify": run_verify, "decode1": run_decode1, "decodek": run_decodek,
                               "loop": run_loop}, warmup=2, iters=iters)
     t = {n: median(v) for n, v in times.items()}
-    return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain", "slots": slot_layout,
+    return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain",
+            "window": "-" if window is None else window, "slots": slot_layout,
             "dtype": str(dtype).replace("torch.", ""),
             "verify_ms": t["verify"] * 1e3, "decode1_ms": t["decode1"] * 1e3, "decodek_ms": t["decodek"] * 1e3,
             "loop_ms": t["loop"] * 1e3, "x_decode1": t["verify"] / t["decode1"],
