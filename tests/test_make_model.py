@@ -17,7 +17,7 @@ def _tensors(d):
     return load_file(os.path.join(d, "model.safetensors"))
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v2", "tiny-gemma2"])
 def test_loads_in_transformers(preset, tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -33,6 +33,9 @@ def test_loads_in_transformers(preset, tmp_path):
         raw = json.load(f)
     if preset == "tiny-deepseek-v2":  # keys SGLang reads from config.json directly
         assert raw["rope_scaling"]["type"] == "yarn" and raw["moe_layer_freq"] == 1
+    if preset == "tiny-gemma2":  # SGLang reads hidden_act; layer 0 is the sliding-window one
+        assert raw["hidden_act"] == "gelu_pytorch_tanh" and raw["sliding_window"] == 16
+        assert config.layer_types == ["sliding_attention", "full_attention"]
     tok = AutoTokenizer.from_pretrained(d)
     ids = [7, 8, 200]
     assert tok(prompt_of(ids), add_special_tokens=False)["input_ids"] == [i + 4 for i in ids]  # 4 special tokens

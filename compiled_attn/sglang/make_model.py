@@ -1,6 +1,7 @@
 """Seeded random-weight Hugging Face checkpoints that SGLang and transformers both load (no download).
 
-    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|llama-3-8b-2l|deepseek-v2-lite-2l DIR [--seed N]
+    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|tiny-gemma2|llama-3-8b-2l|deepseek-v2-lite-2l DIR
+        [--seed N]
 
 ``make_model(preset, out_dir, seed=0)`` writes ``config.json``, ``model.safetensors``, ``generation_config.json``
 and a word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) into ``out_dir``, so a live engine
@@ -11,6 +12,8 @@ Presets:
 - ``tiny-llama``: Llama with GQA (4 query heads, 2 KV heads, head size 16), 2 layers, 256 tokens.
 - ``tiny-deepseek-v2``: DeepSeek-V2 with MLA (small ``kv_lora_rank``; SGLang decodes it through the absorbed
   latent-cache path) and a small MoE in the second layer.
+- ``tiny-gemma2``: Gemma 2 (GQA 4/2 x 16), its first layer over a 16-token sliding window, tanh soft-capped
+  attention logits (50) and final logits (30).
 - ``llama-3-8b-2l``: Llama-3-8B's attention and MLP shapes (32 query / 8 KV heads of 128, hidden 4096,
   intermediate 14336), 2 layers, vocabulary cut to 8192 tokens (benchmarks only).
 - ``deepseek-v2-lite-2l``: DeepSeek-V2-Lite's MLA shapes (16 heads, kv_lora_rank 512, qk 128+64, v 128, hidden
@@ -85,11 +88,31 @@ _TINY_DEEPSEEK = dict(
     rope_theta=10000.0,
     rope_scaling=_YARN_1,
 )
+_TINY_GEMMA2 = dict(
+    _COMMON,
+    architectures=["Gemma2ForCausalLM"],
+    model_type="gemma2",
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_act="gelu_pytorch_tanh",  # the name SGLang's Gemma 2 reads
+    query_pre_attn_scalar=16,
+    # layer 0 attends over a sliding window (Gemma 2 alternates them), short enough for the prompts to outgrow it
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,  # SGLang's Gemma 2 reads its logits through the embedding
+)
 _BIG = dict(vocab_size=8192, max_position_embeddings=4096, num_hidden_layers=2)
 
 PRESETS: dict[str, dict] = {
     "tiny-llama": _TINY_LLAMA,
     "tiny-deepseek-v2": _TINY_DEEPSEEK,
+    "tiny-gemma2": _TINY_GEMMA2,
     "llama-3-8b-2l": dict(_TINY_LLAMA, **_BIG, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                           num_key_value_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5),
     "deepseek-v2-lite-2l": dict(
@@ -99,7 +122,10 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_YARN_1, original_max_position_embeddings=4096)),
 }
 # Weight scale: a fixed std for the tiny presets (what their tests were checked with), 1/sqrt(fan_in) otherwise.
-_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2}
+_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2}
+# Gemma 2 reads its logits through the (scaled-up) input embedding: at the layers' scale each token's own embedding
+# dominated its logits and greedy decoding repeated one token; a smaller embedding leaves the layers in charge.
+_EMBED_STD = {"tiny-gemma2": 0.02}
 
 
 def word(i: int, num_words: int = NUM_WORDS) -> str:
@@ -133,10 +159,11 @@ def write_tokenizer(out_dir: str, model_max_length: int, vocab_size: int = len(S
         json.dump(config, f, indent=2)
 
 
-def _randomize(model, seed: int, std: float | None) -> None:
-    """Seeded normal weights for every matrix (norm weights stay 1, other vectors 0): logits vary by token.
+def _randomize(model, seed: int, std: float | None, embed_std: float | None = None) -> None:
+    """Seeded normal weights for every matrix (norm weights as initialised, other vectors 0): logits vary by token.
 
-    ``std=None``: ``1.6 / sqrt(fan_in)`` per matrix (0.2 at fan-in 64), for the large presets.
+    ``std=None``: ``1.6 / sqrt(fan_in)`` per matrix (0.2 at fan-in 64), for the large presets; ``embed_std``: the
+    input embedding's, when it differs.
     """
     import torch
 
@@ -145,6 +172,7 @@ def _randomize(model, seed: int, std: float | None) -> None:
         for name, p in sorted(model.named_parameters()):
             if p.dim() >= 2:
                 s = std if std is not None else 1.6 / p.shape[-1] ** 0.5
+                s = embed_std if embed_std is not None and "embed_tokens" in name else s
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
             elif "norm" not in name:
                 p.zero_()
@@ -169,7 +197,7 @@ def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed, _FIXED_STD.get(preset))
+    _randomize(model, seed, _FIXED_STD.get(preset), _EMBED_STD.get(preset))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3, do_sample=False).save_pretrained(out_dir)
@@ -178,7 +206,8 @@ def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         saved = json.load(f)
-    for key in ("rope_scaling", "rope_theta", "moe_layer_freq", "scoring_func", "n_routed_experts", "head_dim"):
+    for key in ("rope_scaling", "rope_theta", "moe_layer_freq", "scoring_func", "n_routed_experts", "head_dim",
+                "hidden_act"):
         if key in cfg and saved.get(key) != cfg[key]:
             saved[key] = cfg[key]
     with open(path, "w") as f:
