@@ -89,14 +89,9 @@ _TINY_DEEPSEEK = dict(
     rope_scaling=_YARN_1,
 )
 _TINY_GEMMA2 = dict(
-    _COMMON,
+    _TINY_LLAMA,  # the same attention and MLP sizes
     architectures=["Gemma2ForCausalLM"],
     model_type="gemma2",
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
     hidden_activation="gelu_pytorch_tanh",
     hidden_act="gelu_pytorch_tanh",  # the name SGLang's Gemma 2 reads
     query_pre_attn_scalar=16,
