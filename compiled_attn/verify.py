@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 
+from graphs import cdiv
+
 from . import validate
 from .api import _scale, v_is_prefix_of_k
 from .block_flash import supports_block_flash
@@ -98,7 +100,7 @@ class VerifyIndex:
     prefix:      the prefix's split-KV blocks (``decode.DecodeIndex`` over ``[lo, prefix_len)``: lo 0, or under a
                  sliding window the start that every draft token's window covers)
     draft_slots: [bs_cap, e + k] int64, KV slot of each key of the small masked block: the ``e`` edge keys just
-                 below ``lo`` (``k - 1`` under a window, else none), then the ``k`` draft keys
+                 below ``lo`` (``k - 1 + unit - 1`` under a window, else none), then the ``k`` draft keys
     draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
     inputs:      what the index was built from (a windowed layer's index is built from the same inputs)
     window:      the sliding window, or None
@@ -172,9 +174,7 @@ def plan_verify(
         validate.check_slots(req_to_token, rows, start, prefix + k, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, prefix + k, page_size)
     validate.check_window_and_cap(sliding_window, None)
-    lo = torch.zeros_like(prefix)
-    if sliding_window is not None:
-        lo = torch.minimum((prefix + (k - 1 - sliding_window)).clamp_min(0), prefix)
+    lo = torch.zeros_like(prefix) if sliding_window is None else window_start(prefix, k, sliding_window, unit)
     needed = total_blocks_needed(lo, prefix, block_size, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
@@ -191,6 +191,14 @@ def plan_verify(
     return VerifyMetadata(inputs, num_real=bs, draft_len=k, blocks_needed=needed, page_size=page_size)
 
 
+def window_start(prefix: torch.Tensor, k: int, window: int, unit: int) -> torch.Tensor:
+    """[bs] where a windowed verify's prefix blocks start: the deepest draft token's first visible position
+    (``prefix + k - 1 - window``, at least 0), rounded up to a multiple of the gather ``unit`` (so the blocks hold
+    only keys every token sees, from a run boundary on), at most ``prefix``. Pure tensor code."""
+    first = (prefix + (k - 1 - window)).clamp_min(0)
+    return torch.minimum(cdiv(first, unit) * unit, prefix)
+
+
 def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1, *,
                        host_form: bool = True, sliding_window: int | None = None) -> VerifyIndex:
     """The prefix blocks (``build_decode_index``, ``host_form`` as there) and the masked block's slots; pure tensor
@@ -198,20 +206,22 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
 
     sliding_window ``w``: draft token ``i`` sits at ``prefix_len + depth_i`` (its depth in the chain or tree: the
     draft keys its mask row shows, less one) and sees keys from ``prefix_len + depth_i - w`` on, as a decode query
-    does. The prefix blocks cover ``[lo, prefix_len)`` with ``lo`` the deepest possible token's start
-    (``prefix_len + k - 1 - w``, within ``[0, prefix_len]``), which every token sees whole; the ``k - 1`` positions
-    below ``lo`` join the draft keys in the small masked block, each row seeing those inside its window. So the
-    shapes stay those of the batch (``k - 1`` more keys), graph-ready."""
+    does. The prefix blocks cover ``[lo, prefix_len)`` (``window_start``: from the deepest possible token's start,
+    rounded up to a page run), which every token sees whole; the ``k - 1 + unit - 1`` positions below ``lo`` join
+    the draft keys in the small masked block, each row seeing those inside its window. So the shapes stay those of
+    the batch (that many more keys), graph-ready, and every prefix form reads the blocks as it does without a
+    window (their valid keys one run from the first block's start)."""
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
-    steps = torch.arange(k, device=prefix.device)
-    draft_pos = prefix[:, None] + steps  # [bs, k]
+    draft_pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
     lo = torch.zeros_like(prefix)
     edge_slots = edge_mask = None
     if sliding_window is not None:
-        lo = torch.minimum((prefix + (k - 1 - sliding_window)).clamp_min(0), prefix)
+        unit = gather_unit(page_size, block_offsets.shape[0])
+        lo = window_start(prefix, k, sliding_window, unit)
         depth = mask.sum(-1) - 1  # [bs, k]: a row sees itself and its ancestors
-        edge_pos = lo[:, None] - (k - 1) + steps[: k - 1]  # [bs, k - 1], below lo
+        edge = k - 1 + unit - 1
+        edge_pos = lo[:, None] - edge + torch.arange(edge, device=prefix.device)  # [bs, edge], below lo
         first = prefix[:, None] + depth - sliding_window  # [bs, k]: each row's first visible position
         edge_mask = (edge_pos[:, None, :] >= 0) & (edge_pos[:, None, :] >= first[:, :, None])
         edge_slots = req_to_token[rows[:, None], edge_pos.clamp_min(0)].to(torch.int64)
@@ -258,14 +268,10 @@ def verify_blocks(
         return q.new_zeros(0, hq, dv)
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
                          rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and k_cache.dtype not in HALF_DTYPES)
-    # the flash form reads each prefix's valid keys as one run from its first block's start: under a window that
-    # start is the window's only when blocks start at any position (gather unit 1), not at a page boundary
-    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap) and (index.window is None
-                                                                           or index.prefix.unit == 1)
+    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
-        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv, logit_cap=None and, under a sliding window, "
-                         "page_size 1")
+        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
     # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens

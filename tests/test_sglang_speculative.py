@@ -173,8 +173,7 @@ def test_target_verify_errors():
 @pytest.mark.parametrize("window", [2, 8, 100])
 def test_target_verify_on_sliding_window_layers(window, tree, page_size):
     """A windowed layer (gpt-oss alternates them): each draft token sees the window from its own position (prefix
-    + its depth in the tree); a full-attention layer of the same forward sees the whole prefix. (A chain with pages
-    runs as a windowed extend, everything else as the windowed verify.)"""
+    + its depth in the tree); a full-attention layer of the same forward sees the whole prefix."""
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=18, num_layers=2, page_size=page_size)
     if tree:

@@ -1,7 +1,7 @@
 """Verify on a sliding-window layer (gpt-oss alternates them): every draft token's window starts at its own
 position (``prefix + depth``), chains and trees, against a plain float64 reference written per query token; the
-three prefix forms (the flash form at page size 1 only: it reads a prefix's keys from its first block's start),
-slots scattered and in runs (read in place), pages, sinks, hypothesis cases, and one compile per bucket."""
+three prefix forms, slots scattered and in runs (read in place), pages, sinks, hypothesis cases, and one compile
+per bucket."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +12,6 @@ from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import build_verify_index, chain_mask, plan_verify, verify_attention, verify_blocks
 
 FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
-PAGED_FORMS = {name: FORMS[name] for name in ("matmul", "fused")}  # flash under a window: page size 1 only
 
 
 def reference_window(q, k_cache, v_cache, table, rows, prefix, k, masks, window, scale, sinks=None):
@@ -58,7 +57,7 @@ def test_matches_reference(slots, window, tree, form):
     assert (single.double() - ref[2 * k:3 * k]).abs().max() < 1e-5  # a batch of one: its own host path
 
 
-@pytest.mark.parametrize("form", list(PAGED_FORMS))
+@pytest.mark.parametrize("form", list(FORMS))
 def test_pages_and_sinks(form):
     k = 3
     masks = random_trees(3, k, torch.Generator().manual_seed(4))
@@ -85,18 +84,18 @@ def test_index_reads_only_the_window():
     # token i (position 300 + i) sees the edge position 200 + e when 200 + e >= 300 + i - 100
     edge = index.draft_mask[0, :, : k - 1]
     assert edge.tolist() == [[e >= i for e in range(k - 1)] for i in range(k)]
+    # pages of 16: the blocks start at the next page boundary, 208; the 18 positions 190..207 are edge keys
+    b, prefix = _case([300], k, page_size=16)
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, block_size=64, page_size=16,
+                       sliding_window=100)
+    index = build_verify_index(b.req_to_token, meta.inputs, page_size=16, sliding_window=100)
+    assert index.draft_slots.shape == (1, 18 + k)
+    assert index.draft_slots[0, :18].tolist() == b.req_to_token[int(b.rows[0]), 190:208].tolist()
+    assert index.draft_mask[0, :, :18].tolist() == [[190 + e >= 200 + i for e in range(18)] for i in range(k)]
 
 
-def test_flash_form_is_refused_under_a_window_with_pages():
-    b, prefix = _case([30], 2, page_size=16)
-    with pytest.raises(ValueError, match="under a sliding window, page_size 1"):
-        verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=8,
-                         cpu_flash=True, page_size=16)
-    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=8,
-                           page_size=16)  # the form picked by itself is another
-    ref = reference_window(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, chain_mask(1, 2), 8,
-                           16 ** -0.5)
-    assert (out.double() - ref).abs().max() < 1e-5
+def test_window_errors():
+    b, prefix = _case([30], 2)
     with pytest.raises(ValueError, match="sliding_window must be a non-negative int"):
         plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, sliding_window=-1)
 

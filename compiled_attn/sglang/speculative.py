@@ -23,10 +23,10 @@ of the step's tree mask into a static buffer out of the graph, the verify index 
 each layer then runs the same ``verify_blocks`` as eagerly. Chains and trees in both mask layouts, padded batch
 sizes, pages, sliding-window layers and absorbed MLA are tested that way. A sliding-window layer (gpt-oss alternates
 them) builds its own index from the same inputs once per forward (``build_verify_index``'s ``sliding_window``: each
-draft token's window from its own position); with pages, an eager chain there runs as the windowed extend it is.
-SGLang's CPU graph runner refuses speculative decoding, so on CPU verify runs eagerly or under the model's
-``torch.compile``. A live CPU engine runs it eagerly with ``--speculative-algorithm NGRAM``
-(``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy tokens equal to transformers').
+draft token's window from its own position). SGLang's CPU graph runner refuses speculative decoding, so on CPU
+verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly with
+``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy
+tokens equal to transformers').
 """
 from __future__ import annotations
 
@@ -34,8 +34,6 @@ from dataclasses import replace
 
 import torch
 
-from ..extend import extend_tiles, supports_tile_flash, tile_index
-from ..plan import plan_extend
 from ..verify import VerifyIndex, build_verify_index, plan_verify, verify_blocks
 from ..verify_masks import mask_numel
 from .backend_util import host_int64, layer_logit_cap, layer_window
@@ -92,29 +90,6 @@ def with_written_slots(index: VerifyIndex, out_cache_loc, bs: int, k: int) -> Ve
     return replace(index, draft_slots=torch.cat([index.draft_slots[:, :edge], written], 1) if edge else written)
 
 
-def _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks) -> torch.Tensor:
-    """A chain on a sliding-window layer, eagerly, with pages: exactly a causal, windowed extend of the ``k`` draft
-    tokens over their prefix, which the tiled extend runs through the CPU flash kernel (index built once per
-    forward). With pages the windowed verify cannot use that kernel (its blocks start at a page boundary, before
-    the window) and its matmul form was slower on CPU; at page size 1 the windowed verify's flash form was faster."""
-    k = draft_len_of(getattr(forward_batch, "spec_info", None))
-    cap = layer_logit_cap(layer)
-    flash = supports_tile_flash(q3, k_cache, v_cache, cap)
-    state = backend._state_for(forward_batch, decode=False)
-    key = ("verify-window", window, flash)
-    index = state.extend.get(key)
-    if index is None:
-        prefix = forward_batch.seq_lens.to(torch.int64)
-        new = torch.full_like(prefix, k)
-        meta = plan_extend(q3, k_cache, v_cache, backend.req_to_token, forward_batch.req_pool_indices, prefix + new,
-                           prefix, new, causal=True, sliding_window=window, page_size=backend.page_size)
-        index = state.extend[key] = tile_index(backend.req_to_token, meta, flash)
-    k_scale, v_scale = backend._layer_scales(layer)
-    o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
-                     v_scale=v_scale, sinks=sinks)
-    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-
 def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
     """Plan the verify batch and build its index (host checks, once per forward; later layers reuse it)."""
     spec = getattr(forward_batch, "spec_info", None)
@@ -145,13 +120,10 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
     if layer.is_cross_attention:
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
     state = _verify_state(backend, forward_batch)
-    window = layer_window(layer)
-    if (window is not None and not state.static and backend.page_size > 1
-            and is_chain(getattr(forward_batch, "spec_info", None))):
-        return _windowed_chain(backend, q3, k_cache, v_cache, layer, forward_batch, window, sinks)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
         index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)
+    window = layer_window(layer)
     if window is not None:  # built from the same inputs, once per forward (recorded when in a graph)
         key = (*VERIFY_KEY, window)
         windowed = state.extend.get(key)
