@@ -103,14 +103,12 @@ class VerifyIndex:
                  below ``lo`` (``k - 1 + unit - 1`` under a window, else none), then the ``k`` draft keys
     draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
     inputs:      what the index was built from (a windowed layer's index is built from the same inputs)
-    window:      the sliding window, or None
     """
 
     prefix: DecodeIndex
     draft_slots: torch.Tensor
     draft_mask: torch.Tensor
     inputs: VerifyInputs | None = None
-    window: int | None = None
 
 
 def verify_block_size(draft_len: int) -> int:
@@ -233,8 +231,7 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
     if edge_slots is not None:
         draft_slots = torch.cat([edge_slots, draft_slots], 1)
         mask = torch.cat([edge_mask, mask], 2)
-    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs,
-                       window=sliding_window)
+    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs)
 
 
 def verify_blocks(
