@@ -212,25 +212,21 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
     draft_pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
+    draft_slots = req_to_token[rows[:, None], draft_pos].to(torch.int64)
     lo = torch.zeros_like(prefix)
-    edge_slots = edge_mask = None
     if sliding_window is not None:
         unit = gather_unit(page_size, block_offsets.shape[0])
         lo = window_start(prefix, k, sliding_window, unit)
-        depth = mask.sum(-1) - 1  # [bs, k]: a row sees itself and its ancestors
         edge = k - 1 + unit - 1
         edge_pos = lo[:, None] - edge + torch.arange(edge, device=prefix.device)  # [bs, edge], below lo
-        first = prefix[:, None] + depth - sliding_window  # [bs, k]: each row's first visible position
-        edge_mask = (edge_pos[:, None, :] >= 0) & (edge_pos[:, None, :] >= first[:, :, None])
-        edge_slots = req_to_token[rows[:, None], edge_pos.clamp_min(0)].to(torch.int64)
-        # a draft key (at prefix + depth_j) outside a row's window: only when w < k - 1
-        mask = mask & (depth[:, None, :] >= depth[:, :, None] - sliding_window)
+        draft_slots = torch.cat([req_to_token[rows[:, None], edge_pos.clamp_min(0)].to(torch.int64), draft_slots], 1)
+        # one rule for every key of the block: inside the row's window (edge keys: at a real position, >= 0)
+        depth = mask.sum(-1) - 1  # [bs, k]: a row sees itself and its ancestors
+        key_pos = torch.cat([edge_pos, prefix[:, None] + depth], 1)  # [bs, edge + k]
+        seen = torch.cat([(edge_pos >= 0)[:, None, :].expand(-1, k, -1), mask], 2)
+        mask = seen & (key_pos[:, None, :] >= (prefix[:, None] + depth - sliding_window)[:, :, None])
     blocks = build_decode_index(req_to_token, DecodeInputs(rows, lo, prefix, block_ids, block_offsets), page_size,
                                 host_form=host_form)
-    draft_slots = req_to_token[rows[:, None], draft_pos].to(torch.int64)
-    if edge_slots is not None:
-        draft_slots = torch.cat([edge_slots, draft_slots], 1)
-        mask = torch.cat([edge_mask, mask], 2)
     return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs)
 
 
