@@ -205,20 +205,25 @@ def _http_job(model_dir: str, tmp: str) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The tiny checkpoints, their transformers models and greedy references: {preset: (dir, model, tokens)}.
-    Gemma 2's reference runs transformers' eager attention (its SDPA path has no logit soft-capping)."""
+def reference_model(preset: str, tmp_path_factory):
+    """``preset`` written to a temp dir and loaded in transformers: (dir, model). Gemma 2 runs transformers' eager
+    attention (its SDPA path has no logit soft-capping)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from compiled_attn.sglang.make_model import make_model
 
+    d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
+    kw = dict(attn_implementation="eager") if preset == "tiny-gemma2" else {}
+    return d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The tiny checkpoints, their transformers models and greedy references: {preset: (dir, model, tokens)}."""
     out = {}
     for preset in ("tiny-llama", "tiny-deepseek-v2", "tiny-gemma2"):
-        d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
-        kw = dict(attn_implementation="eager") if preset == "tiny-gemma2" else {}
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
+        d, model = reference_model(preset, tmp_path_factory)
         out[preset] = (d, model, greedy_reference(model, prompts(), NEW_TOKENS))
     return out
 
@@ -271,6 +276,15 @@ def _greedy_within_ties(model, prompt: list[int], got: list[int], tol: float) ->
     return bool((gap <= tol).all())
 
 
+def assert_greedy(preset: str, model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
+    """``got`` equals transformers' ``expected``, or (presets in ``TIE_TOL``) is greedy in transformers up to
+    near-ties."""
+    if got == expected:
+        return
+    assert preset in TIE_TOL and _greedy_within_ties(model, prompt, got, TIE_TOL[preset]), (
+        f"{what} ({len(prompt)} tokens): got {got}, transformers {expected}")
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_engine_matches_transformers(name, models, jobs):
     preset, _ = ENGINES[name]
@@ -281,10 +295,7 @@ def test_engine_matches_transformers(name, models, jobs):
     got = list(enumerate(res["batch"])) + list(zip(SINGLES, res["singles"], strict=True))
     for i, tokens in got:
         assert len(tokens) == NEW_TOKENS
-        if tokens == expected[i]:
-            continue
-        assert preset in TIE_TOL and _greedy_within_ties(model, batch[i], tokens, TIE_TOL[preset]), (
-            f"{name}: prompt {i} ({len(batch[i])} tokens): got {tokens}, transformers {expected[i]}")
+        assert_greedy(preset, model, batch[i], tokens, expected[i], f"{name}: prompt {i}")
     # the shared prefix (24 tokens, plus what the batch run cached of the same prompt) came from the radix cache,
     # in whole pages
     page = ENGINES[name][1].get("page_size", 1)

@@ -26,11 +26,11 @@ import pytest
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
-    TIE_TOL,
     _child_env,
-    _greedy_within_ties,
     _run_group,
+    assert_greedy,
     greedy_reference,
+    reference_model,
 )
 
 pytestmark = pytest.mark.live
@@ -102,16 +102,8 @@ def _worker(spec: dict) -> dict:
 def reference(request, tmp_path_factory):
     """A tiny checkpoint (Llama; Gemma 2, whose first layer is a sliding-window one: verify over a window), its
     transformers model and transformers' greedy continuation of each prompt: (preset, dir, model, tokens)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from compiled_attn.sglang.make_model import make_model
-
-    preset = request.param
-    d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
-    kw = dict(attn_implementation="eager") if preset == "tiny-gemma2" else {}  # soft-capping: eager only
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
-    return preset, d, model, greedy_reference(model, prompts(), NEW_TOKENS)
+    d, model = reference_model(request.param, tmp_path_factory)
+    return request.param, d, model, greedy_reference(model, prompts(), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +130,7 @@ def test_ngram_tokens_equal_transformers(reference, ngram_run):
     preset, _, model, expected = reference
     for r, idx in enumerate(ROUNDS):
         for i, res in zip(idx, ngram_run["rounds"][r], strict=True):
-            if res["ids"] == expected[i]:
-                continue
-            assert preset in TIE_TOL and _greedy_within_ties(model, prompts()[i], res["ids"], TIE_TOL[preset]), (
-                f"{preset} round {r}, prompt {i}: got {res['ids']}, transformers {expected[i]}")
+            assert_greedy(preset, model, prompts()[i], res["ids"], expected[i], f"{preset} round {r}, prompt {i}")
 
 
 def test_ngram_drafts_accepted_and_verified_by_our_backend(ngram_run):
