@@ -14,8 +14,9 @@ NaN/Inf there cannot reach any output. A span is masked (additive bias) only whe
 visible; fully visible spans run without a mask. A causal tile that sees exactly the keys ``[0, n_q)`` (a request's
 first tile when it has no prefix) is the kernel's own top-left causal case and runs with ``is_causal`` (heads
 unfolded: the causal rows must be positions), which skips the masked half (3-9% of a no-prefix batch, 1 thread).
-A causal request whose new tokens span ``CAUSAL_SQUARE_TILES`` query tiles or more runs whole (``_trapezoid``): its
-prefix as one unmasked call, its new tokens as one causal square, merged; no masked diagonal spans.
+A causal request whose new tokens span ``CAUSAL_SQUARE_TILES`` query tiles or ``CAUSAL_SQUARE_ROWS`` tokens or more
+runs whole (``_trapezoid``): its prefix as one unmasked call, its new tokens as one causal square, merged straight
+into the output rows; no masked diagonal spans.
 
 The loop runs inside an opaque op (``opaque.py``): ``torch.compile`` sees one call, and the op reads its small per-pair
 CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a bucket's padding.
@@ -55,6 +56,9 @@ HELD_BYTES = 64 << 20
 #: a causal request whose new tokens span at least this many query tiles runs as its prefix (one call) and one
 #: causal square
 CAUSAL_SQUARE_TILES = 4
+#: ... or (two tiles or more) at least this many new tokens: from 768 query rows on ATen's CPU kernel takes its large
+#: (256-row) query block, and one causal call there beat the folded tiles
+CAUSAL_SQUARE_ROWS = 768
 
 
 def span_keys_for(num_kv_heads: int, head_dim: int) -> int:
@@ -177,9 +181,12 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
         q_tile = q[qs[i]:qs[i] + n_q].to(dtype)
         if square is not None:
             k, v = (held[1][:, :, :n_k], held[2][:, :, :n_k]) if held[0] is not None else gather(keys)
-            o, lse = _trapezoid(flash, q_tile, k, v, square, scale)  # [Hkv, group, n_q(, D)]
-            o = apply_sinks(o[..., :dv], lse, None if sinks is None else sinks[..., None])
-            out[qs[i]:qs[i] + n_q] = o.permute(2, 0, 1, 3)
+            rows = out[qs[i]:qs[i] + n_q].permute(1, 2, 0, 3)  # [Hkv, group, n_q, Dv]: the merge writes here
+            o, lse = _trapezoid(flash, q_tile, k, v, square, scale, None if sinks is not None else rows)
+            if sinks is not None:
+                rows.copy_(apply_sinks(o[..., :dv], lse, sinks[..., None]))
+            elif o is not None:  # no prefix: the causal square's output as it is
+                rows.copy_(o[..., :dv])
             written[qs[i]:qs[i] + n_q] = True
             continue
         folded = _fold(q_tile, hkv)
@@ -219,20 +226,31 @@ def _fold(q_tile: torch.Tensor, hkv: int) -> torch.Tensor:
     return q_tile.view(n_q, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(1, hkv, hq // hkv * n_q, d)
 
 
-def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float):
+def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float, out: torch.Tensor | None = None):
     """``n_q`` queries over ``prefix + n_q`` keys, query ``a`` seeing keys ``[0, prefix + a]``: the prefix keys,
-    visible to every query, as one unmasked call (GQA heads folded into the query rows), the last ``n_q`` keys as
-    the kernel's own top-left causal square (heads unfolded: the causal rows must be positions; the kernel skips
-    the masked half), merged by log-sum-exp. q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv,
-    group, n_q, D] float32, lse [Hkv, group, n_q]."""
+    visible to every query, as one unmasked call, the last ``n_q`` keys as the kernel's own top-left causal square
+    (the kernel skips the masked half), merged by log-sum-exp.
+
+    Both calls read q as a view with the heads unfolded: a trapezoid's rows (from ``CAUSAL_SQUARE_ROWS`` at the
+    default tiles) already fill the kernel's large query block, so folding the GQA heads into the rows (a copy of q
+    on the op's single thread) buys nothing here.
+    q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv, group, n_q, D] float32, lse [Hkv, group, n_q].
+    ``out`` ([Hkv, group, n_q, Dv], Dv <= D, float32, any strides: the op's output rows): a prefix's merge is
+    written there in one pass, and (None, None) returned."""
     n_q, hq, d = q_tile.shape
     hkv = k.shape[1]
-    o, lse = flash(q_tile.permute(1, 0, 2)[None], k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+    qv = q_tile.permute(1, 0, 2)[None]
+    o, lse = flash(qv, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
     o, lse = o[0].float().view(hkv, hq // hkv, n_q, d), lse[0].view(hkv, hq // hkv, n_q)
     if not prefix:
         return o, lse
-    o_p, lse_p = flash(_fold(q_tile, hkv), k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-    return merge_two(o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q), o, lse)
+    o_p, lse_p = flash(qv, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    o_p, lse_p = o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q)
+    if out is None:
+        return merge_two(o_p, lse_p, o, lse)
+    dv = out.shape[-1]
+    merge_two(o_p[..., :dv], lse_p, o[..., :dv], lse, out=out)
+    return None, None
 
 
 def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> int:
@@ -250,7 +268,8 @@ def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> in
         last += 1
     # a short square stays tiled: its folded GQA tiles (one K/V head serving group * 256 query rows) ran faster
     # than one causal call with the heads unfolded (4 x 512 new: 0.82x), a long one gains (64..2048: 1.10x)
-    return last if last - r + 1 >= CAUSAL_SQUARE_TILES else r
+    rows = qs[runs[last][0]] + qc[runs[last][0]] - qs[i]
+    return last if last - r + 1 >= CAUSAL_SQUARE_TILES or (last > r and rows >= CAUSAL_SQUARE_ROWS) else r
 
 
 def _visible(first: int, n_q: int, n_k: int, causal: bool, window: int) -> torch.Tensor:

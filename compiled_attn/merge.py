@@ -39,16 +39,17 @@ def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) 
     return o * torch.sigmoid(lse - sinks)[..., None]
 
 
-def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two normalised partial softmaxes of the same rows -> one (log-sum-exp rule); a row with no key on either
     side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]. One pass over the outputs (``lerp``): on a
     shared 2-core machine every large elementwise op is a parallel region that can stall on a descheduled thread,
-    so the weights are computed on the small ``lse`` tensors."""
+    so the weights are computed on the small ``lse`` tensors. ``out``: where the merged o is written (any strides,
+    o_a's shape), else a new tensor."""
     m = torch.maximum(lse_a, lse_b).clamp_min(torch.finfo(torch.float32).min)  # finite: no inf - inf
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     den = w_a + w_b
-    o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None])
+    o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None], out=out)
     return o, m + torch.log(den)
 
 

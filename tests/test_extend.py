@@ -251,6 +251,31 @@ def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_causal_square_from_its_rows(monkeypatch):
+    """Fewer than CAUSAL_SQUARE_TILES query tiles but CAUSAL_SQUARE_ROWS new tokens or more (the kernel's large query
+    block): one causal call, with or without a prefix; fewer rows stay tiled. Equal to the float64 reference."""
+    import compiled_attn.extend_flash as extend_flash
+    from compiled_attn.plan import plan_extend
+
+    calls = []
+    real = extend_flash._trapezoid
+
+    def counting(run, q_tile, k, v, prefix, scale, out=None):
+        calls.append((q_tile.shape[0], prefix))
+        return real(run, q_tile, k, v, prefix, scale, out)
+
+    monkeypatch.setattr(extend_flash, "_trapezoid", counting)
+    rows = extend_flash.CAUSAL_SQUARE_ROWS
+    b = make_batch([rows, rows - 10, rows + 40], [0, 0, 40], hq=4, hkv=2, dqk=16)
+    meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.25, cpu_flash=True, tile_q=rows // 3)
+    # rows - 10 new tokens (three tiles) stay tiled: only their first tile is a (one-tile) causal call
+    assert sorted(calls) == [(rows // 3, 0), (rows, 0), (rows, 40)]
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ["gqa", "mla_normal"])
 def test_prefix_trapezoid_is_one_causal_call_plus_one_prefix_call(monkeypatch, shape, dtype):
@@ -262,9 +287,9 @@ def test_prefix_trapezoid_is_one_causal_call_plus_one_prefix_call(monkeypatch, s
     calls = []
     real = flash._trapezoid
 
-    def counting(run, q_tile, k, v, prefix, scale):
+    def counting(run, q_tile, k, v, prefix, scale, out=None):
         calls.append((q_tile.shape[0], prefix))
-        return real(run, q_tile, k, v, prefix, scale)
+        return real(run, q_tile, k, v, prefix, scale, out)
 
     monkeypatch.setattr(flash, "_trapezoid", counting)
     hq, hkv, dqk, dv = SHAPES[shape]
