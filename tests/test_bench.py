@@ -197,6 +197,33 @@ def test_bench_engine_context_length_flag(capsys):
         assert "--context-length" in capsys.readouterr().err
 
 
+def test_bench_engine_dtype_reaches_the_engine(monkeypatch, tmp_path):
+    """``bench-engine --dtype bfloat16``: each worker starts its engine with SGLang's ``dtype`` (the default ``auto``
+    keeps the checkpoint's); an unknown dtype is refused by the parser."""
+    from compiled_attn.bench import engine_bench
+    from compiled_attn.sglang import serve
+
+    assert engine_bench.parse_args(["--model", "tiny-llama"]).dtype == "auto"
+    with pytest.raises(SystemExit):
+        engine_bench.parse_args(["--dtype", "int8"])
+    (tmp_path / "config.json").write_text('{"vocab_size": 32}')
+    started = []
+
+    def fake_engine(**kwargs):
+        started.append(kwargs)
+        raise KeyboardInterrupt  # stop the worker before it waits for commands
+
+    monkeypatch.setattr(serve, "engine", fake_engine)
+    args = engine_bench.parse_args(["--model", "tiny-llama", "--dtype", "bfloat16", "--batch-size", "2"])
+    spec = dict(model_dir=str(tmp_path), context=args.context, steps=args.decode_steps, threads=1,
+                batch_sizes=args.batch_size, chunked_prefill_size=None, context_length=None, max_total_tokens=None,
+                absorbed_prefill=False, dtype=args.dtype, backend="compiled_attn")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker sets it; restored after the test (its threads: one_thread)
+    with pytest.raises(KeyboardInterrupt):
+        engine_bench._worker(spec)
+    assert started[0]["dtype"] == "bfloat16" and started[0]["attention_backend"] == "compiled_attn"
+
+
 def test_bench_engine_absorbed_prefill_sends_deepseek_prefill_to_the_mla_forward(monkeypatch):
     """``bench-engine --absorbed-prefill``: the scheduler target registers SGLang's absorbed-MLA dispatch for the
     benchmarked backends (torch_native cannot run DeepSeek's MHA prefill), then runs SGLang's scheduler."""

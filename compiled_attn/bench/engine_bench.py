@@ -2,7 +2,7 @@
 
     compiled-attn bench-engine [--model tiny-llama | --model-path DIR] [--backend torch_native,compiled_attn,
         compiled_attn+compile] [--batch-size 1,8,32] [--context 1024] [--decode-steps 32] [--rounds 3] [--threads 2]
-        [--context-length N] [--max-total-tokens N] [--absorbed-prefill]
+        [--context-length N] [--max-total-tokens N] [--absorbed-prefill] [--dtype auto|float32|bfloat16|float16]
 
 Each backend gets its own ``sglang.Engine`` (``serve.engine``: CPU fix-ups, random-weight model from
 ``make_model`` unless ``--model-path``), each in a worker subprocess of its own (SGLang keeps one engine per
@@ -85,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DeepSeek (MLA) models: every engine prefills through SGLang's absorbed-MLA path, as it does "
                         "a prompt with a cached prefix, not its MHA path, which torch_native cannot run (decode is "
                         "absorbed either way)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the engine's --dtype: weights, activations and KV cache (default auto: the checkpoint's, "
+                        "float32 for make_model's presets; CPU servers commonly run bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int_at_least(1), default=1800, help="seconds an engine may take to start")
     p.add_argument("--json", help="also write the results here")
@@ -201,7 +204,7 @@ def _worker(spec: dict) -> int:
     eng = serve.engine(model_path=spec["model_dir"], context_length=spec["context_length"] or per_request,
                        max_total_tokens=spec["max_total_tokens"] or max_bs * per_request + 256,
                        max_running_requests=max_bs, chunked_prefill_size=spec["chunked_prefill_size"],
-                       sleep_on_idle=True, skip_server_warmup=True, log_level="error", **kw)
+                       dtype=spec["dtype"], sleep_on_idle=True, skip_server_warmup=True, log_level="error", **kw)
     _send(dict(ready=True, start_s=time.perf_counter() - t0))
     try:
         for line in sys.stdin:
@@ -272,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = dict(model_dir=model_dir, context=args.context, steps=args.decode_steps, threads=args.threads,
                 batch_sizes=args.batch_size, chunked_prefill_size=args.chunked_prefill_size,
                 context_length=args.context_length, max_total_tokens=args.max_total_tokens,
-                absorbed_prefill=args.absorbed_prefill)
-    print(f"# model {args.model_path or args.model}, context {args.context}, {args.decode_steps} decode steps, "
+                absorbed_prefill=args.absorbed_prefill, dtype=args.dtype)
+    print(f"# model {args.model_path or args.model}, dtype {args.dtype}, context {args.context}, "
+          f"{args.decode_steps} decode steps, "
           f"OMP_NUM_THREADS={args.threads}, {args.rounds} rounds, backends interleaved"
           + (", absorbed MLA prefill" if args.absorbed_prefill else ""), flush=True)
     engines: list[_Engine] = []
