@@ -321,7 +321,9 @@ def test_graph_capacity(monkeypatch):
     bs_cap = backend.graph_block_capacity(8)
     assert bs_cap == min(8 * math.ceil(256 / 64), 1 + 8)
     batch = H.make_decode_batch(mr, [200, 150, 100], pad_to_bs=8)  # 4 + 3 + 2 + 5 padded blocks > 9
-    with pytest.raises(ValueError, match=GRAPH_KV_TOKENS_ENV):
+    # the message names the batch (its size; its KV tokens, a padding row's one included) and the setting to raise
+    msg = rf"decode batch \(bs=8, 455 KV tokens\) needs 14 KV blocks of 64, more than the 9 .*{GRAPH_KV_TOKENS_ENV}"
+    with pytest.raises(ValueError, match=msg):
         backend.init_forward_metadata_out_graph(_view(batch.forward_batch))
     with pytest.warns(UserWarning, match="exact-size"):
         out = run_forward(backend, batch, [H.make_layer(g)])[0]

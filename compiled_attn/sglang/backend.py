@@ -218,8 +218,8 @@ class CompiledAttnBackend(AttentionBackend):
         for window, cross in self.decode_keys:
             lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
             needed = total_blocks_needed(lo, hi, self.block_size, self.page_size)
-            check_graph_blocks(f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)", needed, cap,
-                               self.block_size, g.kv_tokens)
+            check_graph_blocks(lambda lo=lo, hi=hi: f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)",
+                               needed, cap, self.block_size, g.kv_tokens)
 
     def init_forward_metadata_in_graph(self, forward_batch, build_index: bool = True):
         """Graph-recordable: copy the batch's rows/ranges into the static buffers and build the block index of

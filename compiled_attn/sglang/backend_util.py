@@ -2,6 +2,7 @@
 host-side reading of a layer's and a batch's settings."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +35,14 @@ def graph_batch_size(forward_batch, max_bs: int) -> int:
     return bs
 
 
-def check_graph_blocks(batch: str, needed: int, capacity: int, block_size: int, kv_tokens: int) -> None:
+def check_graph_blocks(batch: Callable[[], str], needed: int, capacity: int, block_size: int, kv_tokens: int
+                       ) -> None:
     """A batch needing more KV blocks than the captured graph of its size computes over is refused (a replay would
-    drop the rest): the message names the batch (``batch``: what it is and holds) and the setting to raise."""
+    drop the rest): the message names the batch (``batch()``: what it is and holds; called only for the message,
+    so a step that fits pays no host reads for it) and the setting to raise."""
     if needed > capacity:
         raise ValueError(
-            f"compiled_attn: this {batch} needs {needed} KV blocks of {block_size}, more than the {capacity} a graph "
+            f"compiled_attn: this {batch()} needs {needed} KV blocks of {block_size}, more than the {capacity} a graph "
             f"of this batch size was captured with (requests sharing a cached prefix count it once each). Raise "
             f"{GRAPH_KV_TOKENS_ENV} (now {kv_tokens} tokens) or lower --cuda-graph-max-bs")
 

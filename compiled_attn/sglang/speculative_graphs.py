@@ -90,7 +90,7 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
     validate.check_kv_end(prefix + k, backend.req_to_token.shape[1],
                           f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
     needed = total_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size)
-    check_graph_blocks(f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
+    check_graph_blocks(lambda: f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
                        _capacity(backend, bs, state.block_size), state.block_size, backend.graph.kv_tokens)
     mask = state.draft_mask[:bs]
     mask.copy_(chain_mask(bs, k, mask.device))
