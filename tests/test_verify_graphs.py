@@ -1,6 +1,7 @@
 """VerifyGraphs on CPU: per-(batch bucket, draft length, KV bucket) compiled replay equals a float64 reference for
-chain and tree masks; padding rows never leak; no new dynamo graphs after warm-up across batches and draft lengths;
-fallback beyond the largest bucket; bad input named. (The CUDA-graph twin at the end runs on a GPU machine.)"""
+chain and tree masks (and a step with a full and a sliding-window layer); padding rows never leak; no new dynamo
+graphs after warm-up across batches and draft lengths; fallback beyond the largest bucket; bad input named. (The
+CUDA-graph twin at the end runs on a GPU machine.)"""
 import warnings
 
 import pytest
@@ -63,10 +64,11 @@ def _batch(graphs, persistent, prefix, k, tree, gen):
     return meta, tokens, masks, rows.cpu(), prefix
 
 
-def reference(persistent, tokens, rows, prefix, k, masks):
+def reference(persistent, tokens, rows, prefix, k, masks, window=None):
     """float64, request by request, on the caches as the step leaves them (draft K/V written at their slots): the
     request's k queries over positions [0, prefix + k) of its row, the prefix all visible, draft key j visible to
-    query i where masks[b, i, j]. -> [bs * k, Hq, D]"""
+    query i where masks[b, i, j]; with ``window`` w, draft token i sits at prefix + its depth (its mask row's
+    count less one) and sees only keys from that position less w on. -> [bs * k, Hq, D]"""
     kc, vc = persistent["k"].cpu().double().clone(), persistent["v"].cpu().double().clone()
     loc = tokens["out_cache_loc"].cpu()
     kc[loc], vc[loc] = tokens["k_new"].cpu().double(), tokens["v_new"].cpu().double()
@@ -79,6 +81,9 @@ def reference(persistent, tokens, rows, prefix, k, masks):
         s = torch.einsum("qhd,khd->hqk", q[b * k:(b + 1) * k], kk) * SCALE
         visible = torch.ones(k, p + k, dtype=torch.bool)
         visible[:, p:] = masks[b]
+        if window is not None:
+            pos = torch.cat([torch.arange(p), p + masks[b].sum(-1) - 1])  # each key's position
+            visible &= pos[None, :] >= (p + masks[b].sum(-1) - 1)[:, None] - window
         w = torch.softmax(s.masked_fill(~visible[None], float("-inf")), -1)
         out.append(torch.einsum("hqk,khd->qhd", w, vv))
     return torch.cat(out)
@@ -119,6 +124,49 @@ def test_replay_matches_reference(warmed, prefix, k, tree):
     graphs, persistent, _, _ = warmed
     meta, _, _ = _check(graphs, persistent, prefix, k, tree, seed=len(prefix) * 10 + k)
     assert graphs.key_for(meta).bs == (2 if len(prefix) <= 2 else 4)
+
+
+WINDOW = 20
+
+
+def full_and_window_step(inputs, persistent):
+    """Two layers of a model that alternates full and sliding-window attention (gpt-oss): the batch is planned
+    once, over the whole prefixes; the window layer builds its own index from the same inputs."""
+    loc = inputs["out_cache_loc"].flatten()
+    persistent["k"].index_copy_(0, loc, inputs["k_new"].flatten(0, 1))
+    persistent["v"].index_copy_(0, loc, inputs["v_new"].flatten(0, 1))
+    q, planned = inputs["q"].flatten(0, 1), verify_inputs_of(inputs)
+    full = build_verify_index(persistent["req_to_token"], planned)
+    windowed = build_verify_index(persistent["req_to_token"], planned, sliding_window=WINDOW)
+    return tuple(verify_blocks(q, persistent["k"], persistent["v"], index, SCALE) for index in (full, windowed))
+
+
+def test_window_layer_replays_from_the_same_plan():
+    """A full and a window layer in one bucketed step: both equal their float64 references (the window one over each
+    draft token's own window), over chains and trees, prefixes shorter and longer than the window; no new graph
+    after warm-up."""
+    torch._dynamo.reset()
+    config = GraphConfig(max_batch_size=4, cuda_graph_bs=[2, 4], max_kv_tokens=256, min_kv_tokens=128,
+                         progress=False)
+    graphs = VerifyGraphs(full_and_window_step, config=config, draft_lens=(4,), device="cpu",
+                          token_inputs=TOKEN_INPUTS)
+    persistent = _persistent(seed=11)
+    graphs.warmup(persistent)
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, (prefix, tree) in enumerate([([150, 3], False), ([64, 0, 19, 120], True), ([21], True),
+                                            ([100, 40, 7], False)]):
+            gen = torch.Generator().manual_seed(40 + i)
+            meta, tokens, masks, rows, prefix_t = _batch(graphs, persistent, prefix, 4, tree, gen)
+            full_ref = reference(persistent, tokens, rows, prefix_t, 4, masks)
+            window_ref = reference(persistent, tokens, rows, prefix_t, 4, masks, window=WINDOW)
+            out = graphs.run(meta, tokens, persistent)
+            torch.testing.assert_close(out[0].double(), full_ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[1].double(), window_ref, atol=1e-5, rtol=0)
+            if max(prefix) > WINDOW + 4:  # the window changes the answer
+                assert not torch.allclose(full_ref, window_ref, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == before
+    assert sum(s.fallbacks for s in graphs.stats) == 0 and sum(s.replays for s in graphs.stats) == 4
 
 
 def test_padding_rows_do_not_leak(warmed):
