@@ -76,8 +76,10 @@ def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float,
     blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``.
     -> (block_req [n], m, lsum [n, Hkv, R // Hkv], o [n, Hkv, R // Hkv, Dv]): ``decode.merge_blocks``' inputs."""
     n = used_prefix(index.block_req, q.shape[0])
-    block_req = index.block_req[:n]
-    qb = block_queries(q, block_req, num_kv_heads, scale)
+    block_req = index.block_req[:n]  # used blocks only: every entry a row of q
+    # each block's queries read through block_req inside the kernel's loads, from one small stored buffer, not a
+    # per-block copy of them (nblk x the queries' bytes, written and read again)
+    qb = scaled_queries(q, num_kv_heads, scale)[block_req]
     m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit, logit_cap,
                                       k_scale, v_scale)
     return block_req, m, lsum, o
@@ -99,19 +101,18 @@ def grouped_queries(q: torch.Tensor, block_req: torch.Tensor, num_kv_heads: int)
 
 
 @opaque_op
-def block_queries(q: torch.Tensor, block_req: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """Each block's queries, scaled, grouped by KV head: q [bs, Hq, D] (any float dtype) and block_req [nblk]
-    (``bs`` for unused blocks) -> [nblk, Hkv, Hq // Hkv, D] float32. An op of its own so that the fused kernel
-    starts from a stored buffer: with q's producers (rotary embedding, projections) folded in, every layer of a
-    model compiled its own variant of the attention kernel, one C++ compile of seconds each at a cold start; this
-    way the layers share one."""
-    return grouped_queries(q, block_req, num_kv_heads).mul_(scale)
+def scaled_queries(q: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """q [bs, Hq, D] (any float dtype) -> [bs, Hkv, Hq // Hkv, D] float32, scaled, grouped by KV head. An op of its
+    own so that the fused kernel starts from a stored buffer: with q's producers (rotary embedding, projections)
+    folded in, every layer of a model compiled its own variant of the attention kernel, one C++ compile of seconds
+    each at a cold start; this way the layers share one."""
+    bs, hq, d = q.shape
+    return q.reshape(bs, num_kv_heads, hq // num_kv_heads, d).float().mul(scale)
 
 
-@torch.library.register_fake(block_queries)
-def _block_queries_fake(q, block_req, num_kv_heads, scale):
-    return q.new_empty((block_req.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2]),
-                       dtype=torch.float32)
+@torch.library.register_fake(scaled_queries)
+def _scaled_queries_fake(q, num_kv_heads, scale):
+    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2]), dtype=torch.float32)
 
 
 @opaque_op
