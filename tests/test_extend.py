@@ -251,11 +251,9 @@ def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_causal_square_from_its_rows(monkeypatch):
-    """Fewer than CAUSAL_SQUARE_TILES query tiles but CAUSAL_SQUARE_ROWS new tokens or more (the kernel's large query
-    block): one causal call, with or without a prefix; fewer rows stay tiled. Equal to the float64 reference."""
+def spy_trapezoids(monkeypatch) -> list[tuple[int, int]]:
+    """Record each ``extend_flash._trapezoid`` call as (new tokens, prefix) while it still runs."""
     import compiled_attn.extend_flash as extend_flash
-    from compiled_attn.plan import plan_extend
 
     calls = []
     real = extend_flash._trapezoid
@@ -265,6 +263,16 @@ def test_causal_square_from_its_rows(monkeypatch):
         return real(run, q_tile, k, v, prefix, scale, out)
 
     monkeypatch.setattr(extend_flash, "_trapezoid", counting)
+    return calls
+
+
+def test_causal_square_from_its_rows(monkeypatch):
+    """Fewer than CAUSAL_SQUARE_TILES query tiles but CAUSAL_SQUARE_ROWS new tokens or more (the kernel's large query
+    block): one causal call, with or without a prefix; fewer rows stay tiled. Equal to the float64 reference."""
+    import compiled_attn.extend_flash as extend_flash
+    from compiled_attn.plan import plan_extend
+
+    calls = spy_trapezoids(monkeypatch)
     rows = extend_flash.CAUSAL_SQUARE_ROWS
     b = make_batch([rows, rows - 10, rows + 40], [0, 0, 40], hq=4, hkv=2, dqk=16)
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
@@ -282,16 +290,7 @@ def test_prefix_trapezoid_is_one_causal_call_plus_one_prefix_call(monkeypatch, s
     """A causal request whose new tokens span several query tiles runs as its prefix (one unmasked call) and its
     causal square (the kernel's own causal case), merged: prefixes and tile edges that do not line up with the key
     tiles included. Equal to the float64 reference."""
-    import compiled_attn.extend_flash as flash
-
-    calls = []
-    real = flash._trapezoid
-
-    def counting(run, q_tile, k, v, prefix, scale, out=None):
-        calls.append((q_tile.shape[0], prefix))
-        return real(run, q_tile, k, v, prefix, scale, out)
-
-    monkeypatch.setattr(flash, "_trapezoid", counting)
+    calls = spy_trapezoids(monkeypatch)
     hq, hkv, dqk, dv = SHAPES[shape]
     b = make_batch([70, 45, 45, 33], [30, 0, 13, 13], hq=hq, hkv=hkv, dqk=dqk, dv=dv, dtype=dtype, seed=4)
     _check(b, "flash", dtype, tile_q=8, tile_k=16)
