@@ -93,8 +93,10 @@ class CompiledAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         if type(self.token_to_kv_pool).__name__ == "SWAKVPool":
-            raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool) are not supported "
-                                      "yet; use --attention-backend triton or torch_native for this model")
+            raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool: the window layers' "
+                                      "KV in a pool of their own) are not supported yet; start the server with "
+                                      "--disable-hybrid-swa-memory (one pool: the window layers are masked to their "
+                                      "window, their KV kept for the full context) or use another attention backend")
         self.block_size = block_size
         # SGLang's --page-size: a request's pages are runs of consecutive slots, gathered as runs
         self.page_size = int(getattr(self.token_to_kv_pool, "page_size", 1) or 1)
