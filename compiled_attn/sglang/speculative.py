@@ -85,9 +85,7 @@ def with_written_slots(index: VerifyIndex, out_cache_loc, bs: int, k: int) -> Ve
     table holds the same slots); the table's slots when ``out_cache_loc`` is absent or of another size."""
     if out_cache_loc is None or out_cache_loc.numel() != bs * k:
         return index
-    written = out_cache_loc.view(bs, k).to(torch.int64)
-    edge = index.draft_slots.shape[1] - k  # a window's edge keys come first, read through the table
-    return replace(index, draft_slots=torch.cat([index.draft_slots[:, :edge], written], 1) if edge else written)
+    return replace(index, draft_slots=out_cache_loc.view(bs, k).to(torch.int64))
 
 
 def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
@@ -130,8 +128,10 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
         if windowed is None:
             windowed = build_verify_index(backend.req_to_token, index.inputs, backend.page_size,
                                           host_form=not state.static, sliding_window=window)
-            windowed = state.extend[key] = with_written_slots(windowed, getattr(forward_batch, "out_cache_loc", None),
-                                                              index.draft_mask.shape[0], index.draft_mask.shape[1])
+            # its draft keys are the base index's (where this forward wrote them); the window's edge keys come first
+            edge = windowed.draft_slots.shape[1] - index.draft_slots.shape[1]
+            windowed = state.extend[key] = replace(
+                windowed, draft_slots=torch.cat([windowed.draft_slots[:, :edge], index.draft_slots], 1))
         index = windowed
     k_scale, v_scale = backend._layer_scales(layer)
     o = verify_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
