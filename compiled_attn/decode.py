@@ -7,12 +7,14 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Three forms compute the blocks. On CPU, eagerly (one head size, no soft-cap), the opaque op ``decode_flash``
-runs them through ATen's CPU flash kernel (``decode_flash.py``: one request as one sequence, a small batch padded
-into one call, else L2-sized chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on
-the host to skip a bucket's padding. On CPU under ``torch.compile`` (one head size, separate K and V caches)
-``decode_fused.fused_block_partials`` reads K/V in place through the block table, with no gathered copy, over the
-used blocks only (``decode_fused.used_blocks`` counts them on the host: a data-dependent size to the compile).
+Three forms compute the blocks. On CPU (one head size, separate K and V caches) the fused form reads K/V in place
+through the block table, with no gathered copy, over the used blocks only (``decode_fused.used_blocks`` counts
+them on the host: a data-dependent size to the compile): by the C++ kernel (``native_decode``, head sizes that
+are multiples of 16), eagerly and compiled, or else, under ``torch.compile``, as code that inductor traces
+(``decode_fused.fused_block_partials``). On CPU eagerly without that kernel (one head size, no soft-cap), and for
+a batch of one indexed on the host, the opaque op ``decode_flash`` runs the blocks through ATen's CPU flash kernel
+(``decode_flash.py``: one request as one sequence, a small batch padded into one call, else L2-sized chunks of
+blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's padding.
 Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512; soft-capped models eagerly) the
 matmul form below runs.
 
@@ -34,6 +36,7 @@ from .inplace_flash import index_in_place
 from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
+from .native_decode import native_fits
 from .opaque import opaque_op
 
 
@@ -222,6 +225,7 @@ def decode_blocks(
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
@@ -236,6 +240,8 @@ def decode_blocks(
         when it shares K's rows); None picks it while compiling for a CPU, for one head size and V a cache of its
         own (MLA's latent, read twice this way, measured no faster than the matmul form). Eagerly it is correct
         but materialises a copy of all K and V.
+    native: the fused form's kernel: the C++ one (``native_decode``; None: wherever it fits, which also makes the
+        fused form the CPU's eager default for a batch of more than one) or False for the traced form.
     The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
     dtype or float8 hands the CPU flash kernel half-precision tiles, which it accumulates in float32); a row with
@@ -247,9 +253,12 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
-    if choose_fused(fused, cpu_flash, q, v_shares_k, dv):
+    # eagerly, a batch of one indexed on the host keeps its one gather and one flash call (the kernel's op calls
+    # and merge cost more than that at short contexts)
+    native = native is not False and native_fits(q, k_cache, v_cache)
+    if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native and index.single is None):
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
-                                                    v_scale)
+                                                    v_scale, native)
         out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
         return out.reshape(bs, hq, dv).to(q.dtype)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)

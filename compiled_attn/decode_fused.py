@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_dtype import scale_pair
+from .native_decode import native_block_partials
 from .opaque import opaque_op
 
 
@@ -55,14 +57,15 @@ def fused_block_partials(qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def choose_fused(fused: bool | None, cpu_flash: bool | None, q: torch.Tensor, v_shares_k: bool, dv: int,
-                 rows_fit: bool = True) -> bool:
+                 rows_fit: bool = True, native: bool = False) -> bool:
     """Whether a decode-like call (decode, verify's prefix) takes this form: ``fused`` as given, or None picking it
-    while compiling for a CPU, with one head size (q's last dim == ``dv``), V a cache of its own (MLA's latent,
-    read twice this way, measured no faster than the matmul form) and ``rows_fit`` (the caller's own limit).
-    ``fused=True`` with ``cpu_flash=True`` is a ValueError."""
+    on a CPU while compiling, or eagerly when ``native`` (the C++ kernel serves the call: ``native_fits``), with
+    one head size (q's last dim == ``dv``), V a cache of its own (MLA's latent, read twice this way, measured no
+    faster than the matmul form) and ``rows_fit`` (the caller's own limit). ``fused=True`` with
+    ``cpu_flash=True`` is a ValueError."""
     if fused is None:
-        fused = (cpu_flash is None and rows_fit and torch.compiler.is_compiling() and q.device.type == "cpu"
-                 and not v_shares_k and q.shape[-1] == dv)
+        fused = (cpu_flash is None and rows_fit and (native or torch.compiler.is_compiling())
+                 and q.device.type == "cpu" and not v_shares_k and q.shape[-1] == dv)
     if fused and cpu_flash:
         raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
     return fused
@@ -70,18 +73,23 @@ def choose_fused(fused: bool | None, cpu_flash: bool | None, q: torch.Tensor, v_
 
 def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, logit_cap: float | None, k_scale: float | None,
-                        v_scale: float | None
+                        v_scale: float | None, native: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fused_block_partials`` over the used blocks of ``index`` (a ``decode.DecodeIndex``; a bucket's unused
-    blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``.
+    blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``. Computed by
+    the C++ kernel (``native_decode``) when ``native`` (the caller checked ``native_fits``), else traced.
     -> (block_req [n], m, lsum [n, Hkv, R // Hkv], o [n, Hkv, R // Hkv, Dv]): ``decode.merge_blocks``' inputs."""
     n = used_prefix(index.block_req, q.shape[0])
     block_req = index.block_req[:n]  # used blocks only: every entry a row of q
+    qs = scaled_queries(q, num_kv_heads, scale)
+    if native:
+        m, lsum, o = native_block_partials(qs, block_req, index.runs[:n], index.valid[:n], index.unit, k_cache,
+                                           v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0)
+        return block_req, m, lsum, o
     # each block's queries read through block_req inside the kernel's loads, from one small stored buffer, not a
     # per-block copy of them (nblk x the queries' bytes, written and read again)
-    qb = scaled_queries(q, num_kv_heads, scale)[block_req]
-    m, lsum, o = fused_block_partials(qb, k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit, logit_cap,
-                                      k_scale, v_scale)
+    m, lsum, o = fused_block_partials(qs[block_req], k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit,
+                                      logit_cap, k_scale, v_scale)
     return block_req, m, lsum, o
 
 

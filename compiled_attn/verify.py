@@ -11,12 +11,13 @@ request: the queries are grouped ``[Hkv, k * group, D]`` against one K block (GQ
 rows). The ``k`` draft keys form one extra tiny "draft block" per request, masked by the chain/tree, and the
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
-Three forms, as decode. On CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each
-request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
-per-block copies of them, no mask, a running log-sum-exp). Under ``torch.compile`` on CPU (one head size, V a
-cache of its own) with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query heads per KV
-head) over a float32 or float8 cache, the used prefix blocks read K/V in place (``decode_fused``, as the compiled
-decode); with more rows, or a bf16/fp16 cache, the flash kernel wins. Elsewhere (CUDA, MLA's 576/512,
+Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
+heads per KV head), one head size and V a cache of its own, the used prefix blocks read K/V in place
+(``decode_fused``, as the CPU decode): by the C++ kernel (``native_decode``) eagerly and compiled, or by the traced
+form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its loops lost to the flash op). Else,
+on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each request's prefix in L2-sized
+chunks through ATen's CPU flash kernel with the request's queries as they are (no per-block copies of them, no
+mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA, MLA's 576/512,
 soft-capped models) a matmul form over the blocks. The draft block is always a small matmul (``k`` keys).
 Everything after ``plan_verify`` is tensor code with static shapes per (batch capacity, ``k``, block capacity): no
 ``.item()``; the CPU forms' ops read their indices on the host (CPU tensors, never a device sync).
@@ -50,6 +51,7 @@ from .decode import (
 from .decode_fused import choose_fused, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize
 from .metadata import DecodeInputs
+from .native_decode import native_fits
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
@@ -58,10 +60,10 @@ __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index"
            "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_blocks"]
 
 _LOWEST = torch.finfo(torch.float32).min
-#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads a float32 or float8 prefix
-#: in place (``fused``); above it the flash kernel's GEMMs win. A bf16/fp16 cache always takes the flash op: its
-#: half-precision kernel was as fast at 8 rows with scattered slots and 1.2-1.5x faster where prompts lie in runs of
-#: slots (read in place, ``inplace_flash``), while the fused loops run no faster on half precision than on float32
+#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads its prefix in place
+#: (``fused``); above it the flash kernel's GEMMs win (the in-place forms score row by row: their work grows with
+#: the rows). A bf16/fp16 cache takes the in-place form only through the C++ kernel (``native_decode``): inductor's
+#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them
 FUSED_MAX_ROWS = 8
 
 
@@ -244,14 +246,16 @@ def verify_blocks(
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
     q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales, sinks
     ([Hq] attention-sink logits): as ``decode.decode_blocks``. fused: the prefix blocks read K/V in place
-    (``decode_fused``, as the compiled CPU decode); None picks it while compiling for a CPU, for one head size, V a
-    cache of its own and at most ``FUSED_MAX_ROWS`` query rows per KV head (its work grows with the rows, the
-    flash kernel's GEMMs do not). Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
+    (``decode_fused``, as the CPU decode); None picks it on a CPU while compiling or where the C++ kernel fits
+    (``native``: as ``decode.decode_blocks``), for one head size, V a cache of its own and at most
+    ``FUSED_MAX_ROWS`` query rows per KV head (its work grows with the rows, the flash kernel's GEMMs do not).
+    Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
     hq, hkv, dv = q.shape[1], k_cache.shape[1], v_cache.shape[2]
@@ -259,8 +263,10 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
+    native = native is not False and native_fits(q, k_cache, v_cache)
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
-                         rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and k_cache.dtype not in HALF_DTYPES)
+                         rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and (k_cache.dtype not in HALF_DTYPES or native),
+                         native=native)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
@@ -276,7 +282,7 @@ def verify_blocks(
     else:
         if fused:
             block_req, m, lsum, o = used_block_partials(qg.reshape(bs, -1, qg.shape[3]), index.prefix, hkv, scale,
-                                                        k_cache, v_cache, logit_cap, k_scale, v_scale)
+                                                        k_cache, v_cache, logit_cap, k_scale, v_scale, native)
         else:
             block_req = index.prefix.block_req
             m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
@@ -358,7 +364,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
                      k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None,
-                     sliding_window=None) -> torch.Tensor:
+                     sliding_window=None, native=None) -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
@@ -374,4 +380,4 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     index = build_verify_index(req_to_token, meta.inputs, page_size, sliding_window=sliding_window)
     return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
                          v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, fused=fused,
-                         k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                         k_scale=k_scale, v_scale=v_scale, sinks=sinks, native=native)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 #: the forms of ``decode.decode_blocks`` and ``verify.verify_blocks`` as keyword arguments: ATen's CPU flash kernel,
-#: the matmul form (CUDA's), and the fused in-place reads (compiled CPU code's; called eagerly here, its twin)
-DECODE_FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+#: the matmul form (CUDA's), and the fused in-place reads, by the C++ kernel where it fits (``native_decode``) and
+#: as the traced code of compiled CPU steps without it (called eagerly here, its twin)
+DECODE_FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True},
+                "traced": {"fused": True, "native": False}}
 
 
 def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefix_lens, ext_lens, *, scale=None,
@@ -50,3 +52,12 @@ def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefi
             p = p[..., :-1]  # the sink's weight goes to no value
         outs.append(torch.einsum("hqk,khd->qhd", p, v))
     return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)
+
+
+def in_place_op():
+    """The op a compiled CPU decode's graph calls to read K/V in place: the C++ kernel's where it is built
+    (``native_decode``), else the traced form's stored block table."""
+    from compiled_attn.native_decode import native_available
+
+    name = "native_block_partials" if native_available() else "index_columns"
+    return getattr(torch.ops.compiled_attn, name).default

@@ -1,6 +1,7 @@
 """The eager SGLang backend over slots handed out by SGLang's own allocator (``TokenToKVPoolAllocator``: a fresh
-pool's free list in order, so each request's keys are one run of consecutive slots): read in place
-(``inplace_flash``), with ``torch_native``'s outputs. Skipped where SGLang isn't installed."""
+pool's free list in order, so each request's keys are one run of consecutive slots): read in place (a batch by
+the C++ kernel, ``native_decode``, where it is built; else, and a batch of one, as runs of slots through
+``inplace_flash``), with ``torch_native``'s outputs. Skipped where SGLang isn't installed."""
 import pytest
 import torch
 
@@ -13,12 +14,17 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa:
 from sglang_compare import run_forward  # noqa: E402
 from test_inplace_flash import spy_key_runs  # noqa: E402
 
+import compiled_attn.decode_fused as decode_fused  # noqa: E402
+from compiled_attn.native_decode import native_available  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
     calls = spy_key_runs(monkeypatch)  # each forward whose keys were read as runs of slots
+    native = []
+    real = decode_fused.native_block_partials
+    monkeypatch.setattr(decode_fused, "native_block_partials", lambda *a: native.append(1) or real(*a))
     g = H.GEOMETRIES["gqa"]
     outs = []
     for make in (H.make_torch_native_backend, CompiledAttnBackend):
@@ -28,7 +34,9 @@ def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
         for lens in ([300, 150, 400, 7], [260]):
             batch = H.make_decode_batch(mr, lens, dtype=dtype)
             outs.append(run_forward(make(mr), batch, [H.make_layer(g)])[0])
-    assert len(calls) == 2, "the compiled_attn forwards did not read their keys in place"  # the batch, then one
+    # the batch (by the kernel where it is built), then the batch of one
+    assert (len(native), len(calls)) == ((1, 1) if native_available() else (0, 2)), \
+        "the compiled_attn forwards did not read their keys in place"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for ours, native in zip(outs[2:], outs[:2], strict=True):
         torch.testing.assert_close(ours, native, atol=tol, rtol=0)

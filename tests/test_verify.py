@@ -5,12 +5,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import DECODE_FORMS
+from reference import DECODE_FORMS, in_place_op
 from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
+from compiled_attn.native_decode import native_available
 from compiled_attn.verify import (
     FUSED_MAX_ROWS,
     build_verify_index,
@@ -262,8 +263,8 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
                          fullgraph=True)
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
-    fused = k * 2 <= FUSED_MAX_ROWS and dtype == torch.float32
-    assert (torch.ops.compiled_attn.index_columns.default in targets) == fused
+    fused = k * 2 <= FUSED_MAX_ROWS and (dtype == torch.float32 or native_available())
+    assert (in_place_op() in targets) == fused
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)

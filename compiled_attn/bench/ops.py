@@ -20,6 +20,7 @@ from ..compile_policy import compile_step
 from ..decode import build_decode_index, decode_blocks
 from ..kv_dtype import FP8_DTYPES
 from ..metadata import DecodeInputs
+from ..native_decode import native_fits
 from ..plan import plan_decode
 from .batches import ENGINE_DECODE_TAIL, SLOT_LAYOUTS, make_batch
 from .contend import contend, describe
@@ -42,6 +43,13 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
 def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None):
     return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
                          v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale)
+
+
+def _traced_decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1,
+                        kv_scale=None):
+    """``_decode_step`` without the C++ kernel: inductor's traced form of the in-place decode."""
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
+                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, native=False)
 
 
 def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
@@ -74,13 +82,14 @@ def served_form(compiled, eager, iters: int = 2) -> str:
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
                lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
-               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered") -> dict:
+               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered", traced: bool = False) -> dict:
     """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
     list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
     after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s).
     ``page_size``: the cache's pages (SGLang's paged layout); ``kv_dtype``: the cache's dtype (default ``dtype``;
     float8 caches are read with a scale of 0.5, the loop casting and scaling per request); ``slot_layout``: where
-    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out)."""
+    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out); ``traced``:
+    also the compiled step without the C++ kernel (``native_decode``), where the kernel serves the case."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)
     if lens is None:
@@ -113,6 +122,10 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
         torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
     served = served_form(comp, eager)
     fns = {"loop": loop, "eager": eager, "compiled": comp}
+    if traced and not shape.mla and native_fits(q, k_cache, v_cache):
+        compiled_traced = compile_step(_traced_decode_step)
+        fns["traced"] = lambda: compiled_traced(*args)
+        torch.testing.assert_close(fns["traced"]().float(), ref.float(), atol=2e-2, rtol=2e-2)
     if bound:
         kv = _kv_bytes_copy(b, lens, shape.mla)
         fns["read"] = kv.sum
@@ -129,6 +142,9 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     if bound:
         row["read_ms"] = t["read"] * 1e3
         row["x_read"] = t["compiled"] / t["read"]
+    if "traced" in t:
+        row["traced_ms"] = t["traced"] * 1e3
+        row["native_x"] = t["traced"] / t["compiled"]
     return row
 
 
@@ -162,6 +178,8 @@ def _parse(argv):
                    help="decode and verify: where tokens' KV slots lie: scattered at random (a long-running "
                         "server's free list), or engine (prompts in runs of consecutive slots, the last "
                         f"{ENGINE_DECODE_TAIL} decode steps a batch apart, as a fresh SGLang pool hands them out)")
+    p.add_argument("--traced", action="store_true",
+                   help="decode: also time the compiled step without the C++ kernel (inductor's traced loops)")
     add_malloc_flag(p)
     return p.parse_args(argv)
 
@@ -179,17 +197,19 @@ def _run_cases(args) -> None:
     if decode_ops:
         kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
         rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True,
-                           slot_layout=layout)
+                           slot_layout=layout, traced=args.traced)
                 for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
                 for layout in args.slot_layout for page in args.page_size for kv in kv_dtypes
                 if not (layout == "engine" and page > 1)]
         cols = ["op", "bs", "lens", "slots", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
                 "compiled_x", "served", "served_x", "x_read", "compiled_GBps"]
+        cols += ["traced_ms", "native_x"] if args.traced else []
         print(format_table(rows, cols), flush=True)
         print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
               "GBps: the cache bytes stored (in the cache's dtype) / compiled time; served: the form a DecodeGraphs "
               "bucket replays (its warm-up times compiled against eager and keeps compiled unless eager is "
-              f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop")
+              f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop"
+              + ("; traced: compiled without the C++ kernel, native_x = traced / compiled" if args.traced else ""))
     if "verify" in ops:
         from .ops_verify import COLUMNS as VERIFY_COLUMNS
         from .ops_verify import bench_verify_case

@@ -43,6 +43,7 @@ from ..decode import DecodeIndex, build_decode_index, decode_blocks, total_block
 from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
 from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
 from ..metadata import DecodeInputs
+from ..native_decode import native_available
 from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
@@ -116,6 +117,8 @@ class CompiledAttnBackend(AttentionBackend):
             self.v_shares_k = v_is_prefix_of_k(pool.get_key_buffer(layer0), pool.get_value_buffer(layer0))
         except Exception:
             self.v_shares_k = False
+        if self.device.type == "cpu":
+            native_available()  # the C++ decode kernel built (or loaded) at start-up, not at the first request
 
     @property
     def req_to_token(self) -> torch.Tensor:

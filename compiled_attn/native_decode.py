@@ -1,0 +1,163 @@
+"""The CPU decode kernel in C++ (``csrc/block_partials.cpp``): each block's partial softmax, reading K/V in place
+from the paged cache, built with this machine's compiler on first use and called through ``ctypes``.
+
+Why a hand-written kernel: the decode's work is a few small dot products per cached key row, and what bounds it
+is how the rows are read. Inductor's loops for the same computation (``decode_fused.fused_block_partials``) read
+each row once per query row, reduce every dot product to a scalar on its own and issue no prefetches, so they are
+compute-bound at several times the time of one pass over the cache bytes, and a bf16 cache saves almost
+nothing over float32. This kernel scores all query rows of a head against each key row while the row is in
+registers, converts bf16/fp16/float8 there, prefetches the rows a few positions ahead and runs the softmax and
+the V sum vectorised. It computes exactly what ``fused_block_partials`` computes (its outputs feed the same
+``merge_blocks``), which stays as the fallback and as the reference form in tests.
+
+Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into a cache folder (``COMPILED_ATTN_CACHE_DIR``,
+default ``~/.cache/compiled_attn``), keyed by the source, the compiler, the flags and the CPU's feature flags, so
+a second process loads it at once. The OpenMP runtime is the one PyTorch already loaded (same soname), and each
+call runs on ``torch.get_num_threads()`` threads. ``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where
+the build fails (no compiler) gets one warning and the traced form.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .opaque import opaque_op
+
+SOURCE = Path(__file__).parent / "csrc" / "block_partials.cpp"
+ENABLE_ENV = "COMPILED_ATTN_NATIVE"
+CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
+#: the cache dtypes the kernel reads, by the kind number it takes
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$COMPILED_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compiled_attn``, else
+    ``~/.cache/compiled_attn``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "compiled_attn"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None = None,
+          march: str = "native") -> Path:
+    """Compile ``source`` into a shared library in ``out_dir`` (default ``cache_dir()``) unless an identical
+    build is there; returns its path. Raises ``RuntimeError`` (with the compiler's message) when it cannot."""
+    cxx = cxx or os.environ.get("CXX") or "g++"
+    exe = shutil.which(cxx)
+    if exe is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), exe, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    out_dir = Path(out_dir) if out_dir is not None else cache_dir()
+    out = out_dir / f"{source.stem}-{key[:16]}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # built under a name of its own, then renamed into place: a process starting beside this one never loads a
+    # half-written file, and two building at once both end with a whole one
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run([exe, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {source.name}:\n{done.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The built library with its entry point's signature set (after ``import torch``: its OpenMP is reused)."""
+    lib = ctypes.CDLL(str(path))
+    lib.ca_block_partials.restype = ctypes.c_int
+    lib.ca_block_partials.argtypes = _ARGTYPES
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """This process's kernel library, built on the first call; None when turned off (``COMPILED_ATTN_NATIVE=0``)
+    or when the build failed (one warning says why)."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    try:
+        return load(build())
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"compiled_attn: the C++ decode kernel is not available, the CPU decode uses the traced form "
+                      f"({e})", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel serves a decode-like call: CPU tensors, one cache dtype it reads, head sizes that are
+    multiples of 16, each cache row's last dim contiguous, and the library available (built on the first call)."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.dtype in KINDS
+            and v_cache.dtype == k_cache.dtype and q.shape[-1] == k_cache.shape[-1]
+            and k_cache.shape[-1] % 16 == 0 and v_cache.shape[-1] % 16 == 0
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and native_available())
+
+
+@torch.compiler.assume_constant_result
+def native_available() -> bool:
+    """``library() is not None``, as a constant to ``torch.compile`` (which cannot trace a build or ctypes)."""
+    return library() is not None
+
+
+@opaque_op
+def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
+                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
+                          logit_cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block's partial softmax (``decode_fused.fused_block_partials``' outputs), by the C++ kernel.
+
+    qs: [rows, Hkv, G, D] float32, scaled; block_req: [n] int64, the row of each block (every entry < rows);
+    runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D],
+    v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
+    scales (1.0 for none); logit_cap: soft-cap, 0.0 for none.
+    returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
+    Valid positions' slots must lie in the cache (the plan's slot checks); invalid ones are never read.
+    """
+    n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
+    qs, block_req = qs.contiguous(), block_req.contiguous()
+    runs, valid = runs.contiguous(), valid.contiguous()
+    m = qs.new_empty((n, hkv, g))
+    lsum = qs.new_empty((n, hkv, g))
+    o = qs.new_empty((n, hkv, g, dv))
+    if n:
+        rc = library().ca_block_partials(
+            KINDS[k_cache.dtype], qs.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
+            m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native_block_partials: head sizes {d}/{dv} must be multiples of 16 and the cache a "
+                             f"dtype of {list(KINDS)}")
+    return m, lsum, o
+
+
+@torch.library.register_fake(native_block_partials)
+def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap):
+    n, (_, hkv, g, _) = block_req.shape[0], qs.shape
+    return qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g, v_cache.shape[2]))

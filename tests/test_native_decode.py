@@ -1,0 +1,181 @@
+"""The C++ decode kernel (``native_decode``): each block's partial softmax against a float64 computation written
+out here, over random paged tables, every cache dtype, head sizes with and without a compiled-in size, group
+sizes that are and are not multiples of 4, a soft-cap, and NaN in every slot it must not read; the builds for
+other instruction sets (the portable half-precision path); the off switch and a failed build falling back to the
+traced form."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from compiled_attn import native_decode
+from compiled_attn.bench.batches import make_batch
+from compiled_attn.decode import build_decode_index, decode_blocks
+from compiled_attn.decode_fused import scaled_queries
+from compiled_attn.kv_dtype import FP8_DTYPES
+from compiled_attn.native_decode import native_available, native_block_partials, native_fits
+from compiled_attn.plan import plan_decode
+from tests.reference import reference_attention
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
+
+
+def _batch(lens, *, hq, hkv, d, page_size, block_size, kv_dtype=torch.float32, seed=0):
+    b = make_batch(lens, hq=hq, hkv=hkv, dqk=d, decode=True, page_size=page_size, seed=seed, kv_dtype=kv_dtype)
+    read = torch.zeros(b.k_cache.shape[0], dtype=torch.bool)
+    for r, n in zip(b.rows.tolist(), lens, strict=True):
+        read[b.req_to_token[r, :n].long()] = True
+    for cache in (b.k_cache, b.v_cache):  # NaN wherever the kernel must not read (page tails included)
+        if cache.dtype in FP8_DTYPES:
+            cache.view(torch.uint8)[~read] = 0x7F
+        else:
+            cache[~read] = float("nan")
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
+                       page_size=page_size)
+    return b, build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
+
+
+def _blocks_float64(qs, index, k_cache, v_cache, k_scale, v_scale, cap):
+    """Each block's (max, sum of exp, unnormalised V sum) per query row, in float64, one block at a time."""
+    ms, ls, os_ = [], [], []
+    for b in range(int((index.block_req < qs.shape[0]).sum())):
+        q = qs[index.block_req[b]].double()  # [Hkv, G, D]
+        keep = index.valid[b]
+        slots = index.slots[b][keep]
+        k = k_cache[slots].double() * k_scale  # [n, Hkv, D]
+        v = v_cache[slots].double() * v_scale
+        s = torch.einsum("hgd,nhd->hgn", q, k)
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if slots.numel() == 0:
+            ms.append(torch.full(q.shape[:2], torch.finfo(torch.float32).min, dtype=torch.float64))
+            ls.append(torch.zeros(q.shape[:2], dtype=torch.float64))
+            os_.append(torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float64))
+            continue
+        m = s.amax(-1)
+        p = torch.exp(s - m[..., None])
+        ms.append(m)
+        ls.append(p.sum(-1))
+        os_.append(torch.einsum("hgn,nhd->hgd", p, v))
+    return torch.stack(ms), torch.stack(ls), torch.stack(os_)
+
+
+@pytest.mark.parametrize("kv_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5),
+                                           (torch.float8_e4m3fn, 1e-5), (torch.float8_e5m2, 1e-5)])
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 2, 64), (3, 3, 32), (16, 2, 80), (8, 1, 256)])
+@pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
+def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size):
+    """Per block and query row, the kernel's max, sum and weighted V equal a float64 computation over the same
+    stored values (dequantised exactly: the tolerance is float32 arithmetic's, for every dtype), with scales and
+    a soft-cap; NaN in unread slots never reaches them."""
+    lens = [1, 17, 64, 200, 129]
+    b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
+                      seed=d + page_size)
+    assert index.unit == math.gcd(page_size, block_size)
+    qs = scaled_queries(b.q, hkv, d ** -0.5)
+    n = int((index.block_req < len(lens)).sum())
+    for k_scale, v_scale, cap in ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)):
+        m, lsum, o = native_block_partials(qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit,
+                                           b.k_cache, b.v_cache, k_scale, v_scale, cap)
+        rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
+        torch.testing.assert_close(m.double(), rm, atol=tol, rtol=tol)
+        torch.testing.assert_close(lsum.double(), rl, atol=tol * 64, rtol=tol)
+        torch.testing.assert_close(o.double(), ro, atol=tol * 64 * v_scale, rtol=tol)
+
+
+def test_empty_block_and_no_blocks():
+    """A block with no valid key gives the lowest float32, 0 and zeros (the traced form's convention); zero blocks
+    give empty outputs."""
+    b, index = _batch([40, 3], hq=4, hkv=2, d=64, page_size=1, block_size=16)
+    qs = scaled_queries(b.q, 2, 0.125)
+    valid = index.valid.clone()
+    valid[0] = False
+    m, lsum, o = native_block_partials(qs, index.block_req[:4], index.runs[:4], valid[:4], 1, b.k_cache, b.v_cache,
+                                       1.0, 1.0, 0.0)
+    assert (m[0] == torch.finfo(torch.float32).min).all() and (lsum[0] == 0).all() and (o[0] == 0).all()
+    assert torch.isfinite(o).all()
+    m, lsum, o = native_block_partials(qs, index.block_req[:0], index.runs[:0], valid[:0], 1, b.k_cache, b.v_cache,
+                                       1.0, 1.0, 0.0)
+    assert m.shape == (0, 2, 2) and o.shape == (0, 2, 2, 64)
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_builds_for_other_instruction_sets_agree(march, tmp_path):
+    """The same source built for plain x86-64 (half precision converted by moving bits) and for AVX2 + F16C gives
+    the native build's results (fp16 and float8 caches exercise the conversions)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 instruction sets")
+    lib = native_decode.load(native_decode.build(out_dir=tmp_path, march=march))
+    for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
+        qs = scaled_queries(b.q, 2, 0.1)
+        args = (qs, index.block_req[:4], index.runs[:4], index.valid[:4], index.unit, b.k_cache, b.v_cache, 0.5, 1.0,
+                0.0)
+        want = native_block_partials(*args)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native_decode, "library", lambda: lib)  # the op calls whatever library() returns
+            got = native_block_partials(*args)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
+    """Eagerly on CPU a batch of more than one takes the fused form through the kernel by default (``native=False``
+    gives the flash op); both equal the float64 reference."""
+    b, index = _batch([5, 70, 130], hq=8, hkv=2, d=32, page_size=1, block_size=16)
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.3)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = native_decode.native_block_partials
+        import compiled_attn.decode_fused as decode_fused
+
+        mp.setattr(decode_fused, "native_block_partials", lambda *a: calls.append(1) or real(*a))
+        out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
+        assert calls
+        calls.clear()
+        off = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, native=False)
+        assert not calls
+    for o in (out, off):
+        torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
+    """``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a build that cannot run (no such compiler) warns once and
+    turns it off too; either way the decode stays correct (the traced form compiled, the flash op eagerly)."""
+    b, index = _batch([5, 70], hq=4, hkv=2, d=32, page_size=1, block_size=16)
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=0.3)
+    try:
+        monkeypatch.setenv(native_decode.ENABLE_ENV, "0")
+        native_decode.library.cache_clear()
+        assert native_decode.library() is None and not native_fits(b.q, b.k_cache, b.v_cache)
+        monkeypatch.delenv(native_decode.ENABLE_ENV)
+        monkeypatch.setenv("CXX", "no-such-compiler-here")
+        monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+        native_decode.library.cache_clear()
+        with pytest.warns(RuntimeWarning, match="no-such-compiler-here"):
+            assert native_decode.library() is None
+        out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        native_decode.library.cache_clear()
+    assert native_decode.library() is not None
+
+
+def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
+    """A second build of the same source finds the library in the cache folder (same path, not rebuilt); a
+    source that does not compile raises with the compiler's message."""
+    first = native_decode.build(out_dir=tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native_decode.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int f( {")
+    with pytest.raises(RuntimeError, match="bad.cpp"):
+        native_decode.build(bad, out_dir=tmp_path)
+    assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written file left
