@@ -38,7 +38,8 @@ CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 #: the cache dtypes the kernel reads, by the kind number it takes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int]
+_ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
+             _PTR]
 
 
 def cache_dir() -> Path:
@@ -126,6 +127,28 @@ def native_available() -> bool:
     return library() is not None
 
 
+def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
+         num_rows=0, sinks=None, out=None) -> None:
+    """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors."""
+    n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
+    if n == 0:
+        return
+    rc = library().ca_block_partials(
+        KINDS[k_cache.dtype], qs.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
+        m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
+        None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16 and the cache a dtype "
+                         f"of {list(KINDS)}")
+
+
+def _partials_like(qs: torch.Tensor, n: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, hkv, g, _ = qs.shape
+    return qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g, dv))
+
+
 @opaque_op
 def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                           unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
@@ -139,25 +162,41 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
     returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
     Valid positions' slots must lie in the cache (the plan's slot checks); invalid ones are never read.
     """
-    n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
-    qs, block_req = qs.contiguous(), block_req.contiguous()
-    runs, valid = runs.contiguous(), valid.contiguous()
-    m = qs.new_empty((n, hkv, g))
-    lsum = qs.new_empty((n, hkv, g))
-    o = qs.new_empty((n, hkv, g, dv))
-    if n:
-        rc = library().ca_block_partials(
-            KINDS[k_cache.dtype], qs.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
-            m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"native_block_partials: head sizes {d}/{dv} must be multiples of 16 and the cache a "
-                             f"dtype of {list(KINDS)}")
+    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o)
     return m, lsum, o
 
 
 @torch.library.register_fake(native_block_partials)
 def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap):
-    n, (_, hkv, g, _) = block_req.shape[0], qs.shape
-    return qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g, v_cache.shape[2]))
+    return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+
+
+@opaque_op
+def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
+                         unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
+                         logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole decode by the C++ kernel: ``native_block_partials`` over the blocks whose ``block_req`` is below
+    ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of them,
+    in one call. Arguments as ``native_block_partials``; sinks: [Hkv, G] float32 logits or None.
+    -> [num_rows, Hkv, G, Dv] float32 (zeros for a row with no block).
+
+    Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
+    outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
+    merged straight from the kernel's scratch, and a step makes one op call instead of four."""
+    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+    if block_req.shape[0] == 0:
+        return out.zero_()
+    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    sinks = None if sinks is None else sinks.float().contiguous()
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
+         out)
+    return out
+
+
+@torch.library.register_fake(native_decode_blocks)
+def _native_decode_blocks_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                               num_rows, sinks=None):
+    return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))

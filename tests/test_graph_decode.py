@@ -102,8 +102,8 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
     kernel for a batch of one) runs in warm-up (on an all-padding batch it would skip everything and leave its
     first-call costs to the first request), on every key."""
     import compiled_attn.block_flash as block_flash
+    import compiled_attn.decode as decode
     import compiled_attn.decode_flash as decode_flash
-    import compiled_attn.decode_fused as decode_fused
 
     calls = []
     real = block_flash._flash_cpu
@@ -111,14 +111,14 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
         calls.append(k.shape[2])  # keys per block (per request on the single-request path)
         return real(q, k, *args, **kwargs)
 
-    real_native = decode_fused.native_block_partials
-    def counting_native(qs, block_req, runs, valid, *args):
-        calls.append(int(valid.sum()) // qs.shape[0])  # keys per request (every row of a warm-up batch alike)
-        return real_native(qs, block_req, runs, valid, *args)
+    real_native = decode.native_decode_blocks
+    def counting_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, sinks):
+        calls.append(int(valid[block_req < rows].sum()) // rows)  # keys per request (a warm-up's rows alike)
+        return real_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, sinks)
 
     monkeypatch.setattr(block_flash, "_flash_cpu", counting)
     monkeypatch.setattr(decode_flash, "_flash_cpu", counting)  # its padded small-batch path calls it directly
-    monkeypatch.setattr(decode_fused, "native_block_partials", counting_native)
+    monkeypatch.setattr(decode, "native_decode_blocks", counting_native)
     shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=512, compile=False)
     graphs.warmup(persistent)
     keys = [k for r in graphs.runners for k in r.keys]

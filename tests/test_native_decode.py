@@ -129,12 +129,12 @@ def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
     b, index = _batch([5, 70, 130], hq=8, hkv=2, d=32, page_size=1, block_size=16)
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.3)
+    import compiled_attn.decode as decode
+
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        real = native_decode.native_block_partials
-        import compiled_attn.decode_fused as decode_fused
-
-        mp.setattr(decode_fused, "native_block_partials", lambda *a: calls.append(1) or real(*a))
+        real = decode.native_decode_blocks
+        mp.setattr(decode, "native_decode_blocks", lambda *a: calls.append(1) or real(*a))
         out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
         assert calls
         calls.clear()
@@ -179,3 +179,36 @@ def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="bad.cpp"):
         native_decode.build(bad, out_dir=tmp_path)
     assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written file left
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_sinks):
+    """``native_decode_blocks`` (blocks and merge in one call) over a bucket's index with unused blocks and a row
+    that has none: the unused blocks are never computed (their slots point past the cache), a row with no block
+    gives zeros (or, with sinks, still zeros: a sink has no value), and every row equals ``merge_partials`` of the
+    kernel's partials and the float64 softmax with the sinks in its denominator."""
+    from compiled_attn.merge import merge_partials
+    from compiled_attn.native_decode import native_decode_blocks
+
+    b, index = _batch([40, 130, 3], hq=8, hkv=2, d=64, page_size=1, block_size=16)
+    rows = 4  # one more row than requests: it owns no block
+    qs = scaled_queries(torch.cat([b.q, b.q[:1]]), 2, 0.125)
+    n = int((index.block_req < 3).sum())
+    block_req = torch.cat([index.block_req[:n], torch.full((5,), rows)])  # five unused blocks, as a bucket pads
+    runs = torch.cat([index.runs[:n], torch.full((5, index.runs.shape[1]), 10 ** 9)])  # never read
+    valid = torch.cat([index.valid[:n], torch.ones(5, index.valid.shape[1], dtype=torch.bool)])
+    sinks = torch.randn(2, 4) if with_sinks else None
+    out = native_decode_blocks(qs, block_req, runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, rows, sinks)
+    m, lsum, o = native_block_partials(qs, block_req[:n], runs[:n], valid[:n], 1, b.k_cache, b.v_cache, 1.0, 1.0,
+                                       0.0)
+    torch.testing.assert_close(out, merge_partials(m, lsum, o, block_req[:n], rows, sinks), atol=1e-6, rtol=1e-5)
+    assert (out[3] == 0).all()
+    for r, length in enumerate([40, 130, 3]):
+        slots = b.req_to_token[b.rows[r], :length].long()
+        q = qs[r].double()  # [Hkv, G, D]
+        s = torch.einsum("hgd,nhd->hgn", q, b.k_cache[slots].double())
+        if with_sinks:
+            s = torch.cat([s, sinks.double()[..., None]], -1)
+        p = torch.softmax(s, -1)[..., :length]
+        want = torch.einsum("hgn,nhd->hgd", p, b.v_cache[slots].double())
+        torch.testing.assert_close(out[r].double(), want, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa:
 from sglang_compare import run_forward  # noqa: E402
 from test_inplace_flash import spy_key_runs  # noqa: E402
 
-import compiled_attn.decode_fused as decode_fused  # noqa: E402
+import compiled_attn.decode as decode  # noqa: E402
 from compiled_attn.native_decode import native_available  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
@@ -23,8 +23,8 @@ from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
     calls = spy_key_runs(monkeypatch)  # each forward whose keys were read as runs of slots
     native = []
-    real = decode_fused.native_block_partials
-    monkeypatch.setattr(decode_fused, "native_block_partials", lambda *a: native.append(1) or real(*a))
+    real = decode.native_decode_blocks
+    monkeypatch.setattr(decode, "native_decode_blocks", lambda *a: native.append(1) or real(*a))
     g = H.GEOMETRIES["gqa"]
     outs = []
     for make in (H.make_torch_native_backend, CompiledAttnBackend):

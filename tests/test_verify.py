@@ -264,7 +264,7 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
     fused = k * 2 <= FUSED_MAX_ROWS and (dtype == torch.float32 or native_available())
-    assert (in_place_op() in targets) == fused
+    assert (in_place_op(verify=True) in targets) == fused
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)

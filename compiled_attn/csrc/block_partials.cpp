@@ -184,7 +184,36 @@ struct Problem {
   float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
   float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]
   int threads;
+  // merged form (out != nullptr): blocks whose block_req is >= rows are skipped, then each row's blocks are
+  // merged into out [rows, hkv, G, Dv] (log-sum-exp rule), with sinks [hkv * G] joining every denominator
+  int64_t rows;
+  const float* sinks;
+  float* out;
 };
+
+// out[r] = sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the sink, over
+// the blocks b of row r (first[r] .. first[r + 1] in order); zeros for a row with no block.
+static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const int64_t* order) {
+  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv;
+  float* out = pr.out + r * R * Dv;
+  std::memset(out, 0, sizeof(float) * R * Dv);
+  for (int64_t i = 0; i < R; ++i) {
+    float mx = pr.sinks ? pr.sinks[i] : -INFINITY;
+    for (int64_t j = first[r]; j < first[r + 1]; ++j) mx = std::max(mx, pr.m[order[j] * R + i]);
+    if (mx == -INFINITY) continue;  // no block, no sink
+    float den = pr.sinks ? std::exp(pr.sinks[i] - mx) : 0.0f;
+    float* o = out + i * Dv;
+    for (int64_t j = first[r]; j < first[r + 1]; ++j) {
+      const int64_t b = order[j];
+      const float w = std::exp(pr.m[b * R + i] - mx);
+      den += w * pr.l[b * R + i];
+      const float* ob = pr.o + (b * R + i) * Dv;
+      for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) + w * loadf(ob + d));
+    }
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
+  }
+}
 
 constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
 
@@ -196,12 +225,24 @@ static void run_blocks(const Problem& pr) {
   const T* vc = static_cast<const T*>(pr.v);
   const int64_t D = DV ? DV * 16 : pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 15) / 16 * 16;
+  // the merged form: each row's blocks in order (a counting sort of block_req), unused blocks dropped
+  std::vector<int64_t> first, order;
+  if (pr.out) {
+    first.assign(pr.rows + 2, 0);
+    for (int64_t b = 0; b < pr.n; ++b) first[std::min(pr.block_req[b], pr.rows) + 1]++;
+    for (int64_t r = 0; r <= pr.rows; ++r) first[r + 1] += first[r];
+    order.resize(pr.n);
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t b = 0; b < pr.n; ++b) order[fill[std::min(pr.block_req[b], pr.rows)]++] = b;
+  }
+  const int64_t used = pr.out ? first[pr.rows] : pr.n;  // the merged form computes order[0 .. used) only
 #pragma omp parallel num_threads(pr.threads)
   {
     std::vector<float> s(R * Bp), qv(R * D);
     std::vector<int64_t> slot(B);
 #pragma omp for schedule(dynamic, 2)
-    for (int64_t b = 0; b < pr.n; ++b) {
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t b = pr.out ? order[i] : i;
       const float* qb = pr.qs + pr.block_req[b] * R * D;
       for (int64_t i = 0; i < R * D; ++i) qv[i] = qb[i] * pr.k_mul;  // K's scale applied to the queries
       const uint8_t* val = pr.valid + b * B;
@@ -291,6 +332,10 @@ static void run_blocks(const Problem& pr) {
             else weighted_v_any<L>(gn, dn, vb, slot.data(), val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
           }
     }
+    if (pr.out) {
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t r = 0; r < pr.rows; ++r) merge_row(pr, r, first.data(), order.data());
+    }
   }
 }
 
@@ -302,17 +347,20 @@ static void run_head_size(const Problem& pr) {
   else run_blocks<L, 0>(pr);
 }
 
-// kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. Returns 0, or 1 when a head size is
-// not a multiple of 16, 2 for an unknown kind (the caller checks both before calling).
+// kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. m, l, o: the blocks' partials (the
+// output, or the merged form's scratch); out: nullptr, or the merged form's [rows, hkv, G, Dv] (sinks may be
+// nullptr). Returns 0, or 1 when a head size is not a multiple of 16, 2 for an unknown kind (the caller checks
+// both before calling).
 extern "C" int ca_block_partials(int kind, const float* qs, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
                                  int64_t Dv, int64_t B, int64_t unit, float k_scale, float v_scale, float cap,
-                                 float* m, float* l, float* o, int threads) {
+                                 float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
+                                 float* out) {
   if (D % 16 || Dv % 16) return 1;
   const float f = kind == 3 ? 256.0f : 1.0f;
   Problem pr{qs, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head, n, hkv, G, D, Dv, B, unit,
-             k_scale * f, v_scale * f, cap, m, l, o, threads};
+             k_scale * f, v_scale * f, cap, m, l, o, threads, rows, sinks, out};
   switch (kind) {
     case 0: run_head_size<F32>(pr); break;
     case 1: run_head_size<BF16>(pr); break;
