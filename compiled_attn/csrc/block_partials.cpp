@@ -249,20 +249,21 @@ static void run_blocks(const Problem& pr) {
       for (int64_t p = 0; p < B; ++p) slot[p] = pr.runs[b * nruns + p / pr.unit] * pr.unit + p % pr.unit;
       // scores: each key row is read once, for all query rows of its head
       for (int64_t p = 0; p < B; ++p) {
-        if (p + kPrefetch < B && val[p + kPrefetch]) {
-          const int64_t ps = slot[p + kPrefetch];
-          for (int64_t h = 0; h < hkv; ++h) {
-            const char* ka = reinterpret_cast<const char*>(kc + ps * pr.k_row + h * pr.k_head);
-            for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) __builtin_prefetch(ka + c);
-            const char* va = reinterpret_cast<const char*>(vc + ps * pr.v_row + h * pr.v_head);
-            for (int64_t c = 0; c < Dv * (int64_t)sizeof(T); c += 64) __builtin_prefetch(va + c, 0, 2);
-          }
-        }
+        const bool ahead = p + kPrefetch < B && val[p + kPrefetch];
+        const int64_t ps = ahead ? slot[p + kPrefetch] : 0;
         if (!val[p]) {
           for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
           continue;
         }
         for (int64_t h = 0; h < hkv; ++h) {
+          // the K and V lines of position p + kPrefetch, head by head: spread over the heads' work, not issued as
+          // one burst of a whole row (a burst fills the line-fill buffers and stalls the arithmetic behind it)
+          if (ahead) {
+            const char* ka = reinterpret_cast<const char*>(kc + ps * pr.k_row + h * pr.k_head);
+            for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) __builtin_prefetch(ka + c);
+            const char* va = reinterpret_cast<const char*>(vc + ps * pr.v_row + h * pr.v_head);
+            for (int64_t c = 0; c < Dv * (int64_t)sizeof(T); c += 64) __builtin_prefetch(va + c, 0, 2);
+          }
           const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
           const float* q0 = qv.data() + h * G * D;
           float* sp = s.data() + h * G * Bp + p;
