@@ -8,10 +8,11 @@ softmax (its max, its sum, its weighted V); the blocks of one request are merged
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
 Three forms compute the blocks. On CPU (one head size, separate K and V caches) the fused form reads K/V in place
-through the block table, with no gathered copy, over the used blocks only (``decode_fused.used_blocks`` counts
-them on the host: a data-dependent size to the compile): by the C++ kernel (``native_decode``, head sizes that
-are multiples of 16), eagerly and compiled, or else, under ``torch.compile``, as code that inductor traces
-(``decode_fused.fused_block_partials``). On CPU eagerly without that kernel (one head size, no soft-cap), and for
+through the block table, with no gathered copy, over the used blocks only: by the C++ kernel (``native_decode``,
+head sizes that are multiples of 16; it skips a bucket's unused blocks and merges the rest in the same call),
+eagerly and compiled, or else, under ``torch.compile``, as code that inductor traces
+(``decode_fused.fused_block_partials``, after ``decode_fused.used_blocks`` counts the used blocks on the host: a
+data-dependent size to the compile). On CPU eagerly without that kernel (one head size, no soft-cap), and for
 a batch of one indexed on the host, the opaque op ``decode_flash`` runs the blocks through ATen's CPU flash kernel
 (``decode_flash.py``: one request as one sequence, a small batch padded into one call, else L2-sized chunks of
 blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's padding.
@@ -237,9 +238,9 @@ def decode_blocks(
     cpu_flash: per-block attention through ATen's CPU flash kernel (``decode_flash``) rather than the matmul form;
         None picks it wherever it applies (CPU, one head size, no soft-cap) unless the fused form is picked.
     fused: the blocks read K/V in place (``decode_fused``; any head sizes, soft-cap, V read from ``v_cache`` even
-        when it shares K's rows); None picks it while compiling for a CPU, for one head size and V a cache of its
-        own (MLA's latent, read twice this way, measured no faster than the matmul form). Eagerly it is correct
-        but materialises a copy of all K and V.
+        when it shares K's rows); None picks it on a CPU while compiling or where the C++ kernel serves the call,
+        for one head size and V a cache of its own (MLA's latent, read twice this way, measured no faster than the
+        matmul form). Its traced form eagerly is correct but materialises a copy of all K and V.
     native: the fused form's kernel: the C++ one (``native_decode``; None: wherever it fits, which also makes the
         fused form the CPU's eager default for a batch of more than one) or False for the traced form.
     The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.

@@ -7,7 +7,9 @@ a kernel over the tile, so every byte is read, written and read again, and with 
 kernel's per-call set-up outweighs its tiny GEMMs. Written as products and reductions over the indexed cache,
 inductor's C++ backend emits loops that load each K and V row from where it lies and convert bf16/fp16/float8 to
 float32 in registers. Eagerly the same code materialises every intermediate (a copy of all of K), so
-``decode.decode_blocks`` picks it only while compiling for a CPU; eager calls are for tests.
+``decode.decode_blocks`` picks it only while compiling for a CPU; eager calls are for tests. Where the C++ kernel
+is built (``native_decode``, the same computation by hand: faster, and eager too) it replaces this traced form,
+which stays as the fallback and the reference twin.
 
 Pure tensor code: no ``.item()``, no value-dependent branch; the one host read is inside the ``used_blocks`` op
 (CPU tensors, never a device sync).

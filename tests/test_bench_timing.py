@@ -153,7 +153,8 @@ def test_sweep_len_rows_agree_with_loop_and_have_the_bound(capsys):
     for length, cells in rows.items():
         loop_ms, read_ms, loop_per_1k = float(cells[1]), float(cells[4]), float(cells[5])
         assert read_ms > 0
-        assert loop_per_1k == pytest.approx(loop_ms * 1e3 * 1e3 / length, rel=0.02, abs=0.02)
+        # loop_ms is printed to 0.01 ms: its rounding (up to 0.005 ms) bounds the agreement at short lengths
+        assert loop_per_1k == pytest.approx(loop_ms * 1e3 * 1e3 / length, rel=0.02, abs=0.005e6 / length + 0.02)
 
 
 def test_sweep_step_detection():
