@@ -39,7 +39,7 @@ CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR]
+             _PTR, _I64]
 
 
 def cache_dir() -> Path:
@@ -138,7 +138,11 @@ def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, l
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
         m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
-        None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr())
+        None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
+        min(k_cache.shape[0], v_cache.shape[0]))
+    if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
+        raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
+                         f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
     if rc != 0:
         raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16 and the cache a dtype "
                          f"of {list(KINDS)}")
@@ -160,7 +164,8 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
     v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
     scales (1.0 for none); logit_cap: soft-cap, 0.0 for none.
     returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
-    Valid positions' slots must lie in the cache (the plan's slot checks); invalid ones are never read.
+    Invalid positions are never read; a valid position whose slot lies outside the cache is a ValueError (checked
+    in the kernel, which reads nothing there).
     """
     qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
     m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])

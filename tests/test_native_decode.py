@@ -212,3 +212,23 @@ def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_s
         p = torch.softmax(s, -1)[..., :length]
         want = torch.einsum("hgn,nhd->hgd", p, b.v_cache[slots].double())
         torch.testing.assert_close(out[r].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_slot_outside_the_cache_is_refused_not_read(page_size):
+    """A table whose valid position names a slot past the cache (a corrupted req_to_token) is a ValueError naming
+    the cache's size, from both ops, and nothing outside the cache is read (the check is in the kernel)."""
+    from compiled_attn.native_decode import native_decode_blocks
+
+    b, index = _batch([40, 70], hq=4, hkv=2, d=64, page_size=page_size, block_size=16)
+    qs = scaled_queries(b.q, 2, 0.125)
+    n = int((index.block_req < 2).sum())
+    runs = index.runs.clone()
+    runs[1, 0] = b.k_cache.shape[0] // index.unit + 1000  # its first position is valid
+    assert index.valid[1, 0]
+    with pytest.raises(ValueError, match=f"num_slots {b.k_cache.shape[0]}"):
+        native_block_partials(qs, index.block_req[:n], runs[:n], index.valid[:n], index.unit, b.k_cache,
+                              b.v_cache, 1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        native_decode_blocks(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
+                             0.0, 2, None)

@@ -13,6 +13,7 @@
 // Portable C++ with GCC/Clang vector extensions (16 float lanes: one AVX-512 register, two AVX2 ones), built
 // with -march=native; half precision converts with F16C/AVX-512 instructions when the target has them.
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -185,6 +186,7 @@ struct Problem {
   const void* v;
   int64_t k_row, k_head, v_row, v_head;
   int64_t n, hkv, G, D, Dv, B, unit;
+  int64_t num_slots;        // rows of the caches: a valid position's slot outside them is refused, never read
   float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
   float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]
   int threads;
@@ -222,8 +224,9 @@ static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const 
 constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
 
 // DV: D / 16 when the head size is one of the compiled-in sizes (the key row lives in registers), else 0.
+// Returns 1 when a valid position's slot lay outside the cache (that position left out, nothing read there).
 template <class L, int DV>
-static void run_blocks(const Problem& pr) {
+static int run_blocks(const Problem& pr) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -240,17 +243,26 @@ static void run_blocks(const Problem& pr) {
     for (int64_t b = 0; b < pr.n; ++b) order[fill[std::min(pr.block_req[b], pr.rows)]++] = b;
   }
   const int64_t used = pr.out ? first[pr.rows] : pr.n;  // the merged form computes order[0 .. used) only
+  std::atomic<int> outside{0};
 #pragma omp parallel num_threads(pr.threads)
   {
     std::vector<float> s(R * Bp), qv(R * D);
     std::vector<int64_t> slot(B);
+    std::vector<uint8_t> keep(B);
 #pragma omp for schedule(dynamic, 2)
     for (int64_t i = 0; i < used; ++i) {
       const int64_t b = pr.out ? order[i] : i;
       const float* qb = pr.qs + pr.block_req[b] * R * D;
       for (int64_t i = 0; i < R * D; ++i) qv[i] = qb[i] * pr.k_mul;  // K's scale applied to the queries
-      const uint8_t* val = pr.valid + b * B;
-      for (int64_t p = 0; p < B; ++p) slot[p] = pr.runs[b * nruns + p / pr.unit] * pr.unit + p % pr.unit;
+      for (int64_t p = 0; p < B; ++p) {
+        slot[p] = pr.runs[b * nruns + p / pr.unit] * pr.unit + p % pr.unit;
+        keep[p] = pr.valid[b * B + p];
+        if (keep[p] && (slot[p] < 0 || slot[p] >= pr.num_slots)) {
+          keep[p] = 0;
+          outside.store(1, std::memory_order_relaxed);
+        }
+      }
+      const uint8_t* val = keep.data();
       // scores: each key row is read once, for all query rows of its head
       for (int64_t p = 0; p < B; ++p) {
         const bool ahead = p + kPrefetch < B && val[p + kPrefetch];
@@ -342,37 +354,40 @@ static void run_blocks(const Problem& pr) {
       for (int64_t r = 0; r < pr.rows; ++r) merge_row(pr, r, first.data(), order.data());
     }
   }
+  return outside.load();
 }
 
 template <class L>
-static void run_head_size(const Problem& pr) {
-  if (pr.D == 128) run_blocks<L, 8>(pr);
-  else if (pr.D == 64) run_blocks<L, 4>(pr);
-  else if (pr.D == 256) run_blocks<L, 16>(pr);
-  else run_blocks<L, 0>(pr);
+static int run_head_size(const Problem& pr) {
+  if (pr.D == 128) return run_blocks<L, 8>(pr);
+  if (pr.D == 64) return run_blocks<L, 4>(pr);
+  if (pr.D == 256) return run_blocks<L, 16>(pr);
+  return run_blocks<L, 0>(pr);
 }
 
 // kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. m, l, o: the blocks' partials (the
 // output, or the merged form's scratch); out: nullptr, or the merged form's [rows, hkv, G, Dv] (sinks may be
-// nullptr). Returns 0, or 1 when a head size is not a multiple of 16, 2 for an unknown kind (the caller checks
-// both before calling).
+// nullptr); num_slots: the caches' rows. Returns 0; 1 when a head size is not a multiple of 16, 2 for an unknown
+// kind (the caller checks both before calling); 3 when a valid position's slot lay outside the caches (left out
+// of the result, never read).
 extern "C" int ca_block_partials(int kind, const float* qs, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
                                  int64_t Dv, int64_t B, int64_t unit, float k_scale, float v_scale, float cap,
                                  float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
-                                 float* out) {
+                                 float* out, int64_t num_slots) {
   if (D % 16 || Dv % 16) return 1;
   const float f = kind == 3 ? 256.0f : 1.0f;
-  Problem pr{qs, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head, n, hkv, G, D, Dv, B, unit,
+  Problem pr{qs, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head, n, hkv, G, D, Dv, B, unit, num_slots,
              k_scale * f, v_scale * f, cap, m, l, o, threads, rows, sinks, out};
+  int outside = 0;
   switch (kind) {
-    case 0: run_head_size<F32>(pr); break;
-    case 1: run_head_size<BF16>(pr); break;
-    case 2: run_head_size<F16>(pr); break;
-    case 3: run_head_size<E4M3>(pr); break;
-    case 4: run_head_size<E5M2>(pr); break;
+    case 0: outside = run_head_size<F32>(pr); break;
+    case 1: outside = run_head_size<BF16>(pr); break;
+    case 2: outside = run_head_size<F16>(pr); break;
+    case 3: outside = run_head_size<E4M3>(pr); break;
+    case 4: outside = run_head_size<E5M2>(pr); break;
     default: return 2;
   }
-  return 0;
+  return outside ? 3 : 0;
 }
