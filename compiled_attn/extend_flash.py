@@ -185,8 +185,6 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
             o, lse = _trapezoid(flash, q_tile, k, v, square, scale, None if sinks is not None else rows)
             if sinks is not None:
                 rows.copy_(apply_sinks(o[..., :dv], lse, sinks[..., None]))
-            elif o is not None:  # no prefix: the causal square's output as it is
-                rows.copy_(o[..., :dv])
             written[qs[i]:qs[i] + n_q] = True
             continue
         folded = _fold(q_tile, hkv)
@@ -235,15 +233,18 @@ def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float, out: torch.Tensor
     default tiles) already fill the kernel's large query block, so folding the GQA heads into the rows (a copy of q
     on the op's single thread) buys nothing here.
     q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv, group, n_q, D] float32, lse [Hkv, group, n_q].
-    ``out`` ([Hkv, group, n_q, Dv], Dv <= D, float32, any strides: the op's output rows): a prefix's merge is
-    written there in one pass, and (None, None) returned."""
+    ``out`` ([Hkv, group, n_q, Dv], Dv <= D, float32, any strides: the op's output rows): the result is written
+    there instead (a prefix's merge in one pass), and (None, None) returned."""
     n_q, hq, d = q_tile.shape
     hkv = k.shape[1]
     qv = q_tile.permute(1, 0, 2)[None]
     o, lse = flash(qv, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
     o, lse = o[0].float().view(hkv, hq // hkv, n_q, d), lse[0].view(hkv, hq // hkv, n_q)
     if not prefix:
-        return o, lse
+        if out is None:
+            return o, lse
+        out.copy_(o[..., :out.shape[-1]])
+        return None, None
     o_p, lse_p = flash(qv, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
     o_p, lse_p = o_p[0].float().view(hkv, hq // hkv, n_q, d), lse_p[0].view(hkv, hq // hkv, n_q)
     if out is None:

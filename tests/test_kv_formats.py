@@ -25,7 +25,7 @@ def _reference(b, *, k_scale=None, v_scale=None, **kw):
     return reference_attention(b.q, k, v, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens, **kw)
 
 
-def _poison_unread(b, lo, hi, page_size):
+def poison_unread(b, lo, hi, page_size):
     """NaN into every slot outside the requests' ranges ``[lo, hi)``, including the tails of their last pages
     (read by a page-run gather, then masked)."""
     read = torch.zeros(b.k_cache.shape[0], dtype=torch.bool)
@@ -47,7 +47,7 @@ FORMS = DECODE_FORMS
 def test_paged_decode_matches_reference(page_size, block_size, form):
     lens = [1, 17, 64, 200, 300, 129]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, page_size=page_size, seed=page_size + block_size)
-    _poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
+    poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        page_size=page_size)
     index = build_decode_index(b.req_to_token, meta.inputs, page_size)
@@ -64,7 +64,7 @@ def test_paged_decode_window_and_single_request(page_size, window):
     for lens in ([300], [70, 300, 3]):
         b = make_batch(lens, hq=4, hkv=1, dqk=16, decode=True, page_size=page_size, seed=len(lens))
         # the request's own tokens before the window stay finite (the reference reads and masks them)
-        _poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
+        poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
         out = decode_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens,
                                sliding_window=window, page_size=page_size)
         torch.testing.assert_close(out.double(), _reference(b, sliding_window=window), atol=1e-5, rtol=1e-5)
@@ -100,7 +100,7 @@ def test_fp8_cache_with_scales(kv_dtype, q_dtype, page_size):
     Tolerance: float32 queries 1e-4 (the kernel's float32 sums); bf16 queries 2e-2 (bf16 tiles and output)."""
     lens = [33, 250, 1, 128]
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True, page_size=page_size, dtype=q_dtype, kv_dtype=kv_dtype)
-    _poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
+    poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)
     ks, vs = 0.37, 2.5
     out = decode_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, page_size=page_size,
                            k_scale=ks, v_scale=vs)

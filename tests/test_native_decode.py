@@ -14,24 +14,17 @@ from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.decode_fused import scaled_queries
-from compiled_attn.kv_dtype import FP8_DTYPES
 from compiled_attn.native_decode import native_available, native_block_partials, native_fits
 from compiled_attn.plan import plan_decode
 from tests.reference import reference_attention
+from tests.test_kv_formats import poison_unread
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
 
 
 def _batch(lens, *, hq, hkv, d, page_size, block_size, kv_dtype=torch.float32, seed=0):
     b = make_batch(lens, hq=hq, hkv=hkv, dqk=d, decode=True, page_size=page_size, seed=seed, kv_dtype=kv_dtype)
-    read = torch.zeros(b.k_cache.shape[0], dtype=torch.bool)
-    for r, n in zip(b.rows.tolist(), lens, strict=True):
-        read[b.req_to_token[r, :n].long()] = True
-    for cache in (b.k_cache, b.v_cache):  # NaN wherever the kernel must not read (page tails included)
-        if cache.dtype in FP8_DTYPES:
-            cache.view(torch.uint8)[~read] = 0x7F
-        else:
-            cache[~read] = float("nan")
+    poison_unread(b, torch.zeros(len(lens)), b.seq_lens, page_size)  # NaN wherever the kernel must not read
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        page_size=page_size)
     return b, build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)

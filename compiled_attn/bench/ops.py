@@ -40,16 +40,11 @@ def _copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / median(time_fn(lambda: dst.copy_(src), warmup=2, iters=5)) / 1e9
 
 
-def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None):
+def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None,
+                 native=None):
+    """One decode call as the benchmarks time it; ``native=False``: inductor's traced form, not the C++ kernel."""
     return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
-                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale)
-
-
-def _traced_decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1,
-                        kv_scale=None):
-    """``_decode_step`` without the C++ kernel: inductor's traced form of the in-place decode."""
-    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
-                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, native=False)
+                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, native=native)
 
 
 def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
@@ -123,8 +118,7 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     served = served_form(comp, eager)
     fns = {"loop": loop, "eager": eager, "compiled": comp}
     if traced and not shape.mla and native_fits(q, k_cache, v_cache):
-        compiled_traced = compile_step(_traced_decode_step)
-        fns["traced"] = lambda: compiled_traced(*args)
+        fns["traced"] = lambda: compiled(*args, False)  # native=False: a graph of its own (a constant to dynamo)
         torch.testing.assert_close(fns["traced"]().float(), ref.float(), atol=2e-2, rtol=2e-2)
     if bound:
         kv = _kv_bytes_copy(b, lens, shape.mla)
