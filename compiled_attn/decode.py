@@ -37,7 +37,7 @@ from .inplace_flash import index_in_place
 from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
-from .native_decode import native_decode_blocks, native_fits
+from .native_decode import bf16_query_scale, native_decode_blocks, native_fits
 from .opaque import opaque_op
 
 
@@ -261,7 +261,7 @@ def decode_blocks(
         if native:  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
             out = native_decode_blocks(scaled_queries(q, hkv, scale), index.block_req, index.runs, index.valid,
                                        index.unit, k_cache, v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0,
-                                       bs, sinks_by_kv_head(sinks, hkv, hq))
+                                       bs, sinks_by_kv_head(sinks, hkv, hq), bf16_query_scale(q, k_cache, scale))
             return out.reshape(bs, hq, dv).to(q.dtype)
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
                                                     v_scale, native)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .kv_dtype import scale_pair
-from .native_decode import native_block_partials
+from .native_decode import bf16_query_scale, native_block_partials
 from .opaque import opaque_op
 
 
@@ -86,7 +86,8 @@ def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float,
     qs = scaled_queries(q, num_kv_heads, scale)
     if native:
         m, lsum, o = native_block_partials(qs, block_req, index.runs[:n], index.valid[:n], index.unit, k_cache,
-                                           v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0)
+                                           v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0,
+                                           bf16_query_scale(q, k_cache, scale))
         return block_req, m, lsum, o
     # each block's queries read through block_req inside the kernel's loads, from one small stored buffer, not a
     # per-block copy of them (nblk x the queries' bytes, written and read again)

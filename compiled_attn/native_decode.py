@@ -8,7 +8,9 @@ compute-bound at several times the time of one pass over the cache bytes, and a 
 nothing over float32. This kernel scores all query rows of a head against each key row while the row is in
 registers, converts bf16/fp16/float8 there, prefetches the rows a few positions ahead and runs the softmax and
 the V sum vectorised. It computes exactly what ``fused_block_partials`` computes (its outputs feed the same
-``merge_blocks``), which stays as the fallback and as the reference form in tests.
+``merge_blocks``), which stays as the fallback and as the reference form in tests. On a CPU with AMX, a bf16 query
+with 8 or more query rows per KV head (GQA's groups times verify's draft tokens) runs as bf16 tile products
+(``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with the rows.
 
 Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into a cache folder (``COMPILED_ATTN_CACHE_DIR``,
 default ``~/.cache/compiled_attn``), keyed by the source, the compiler, the flags and the CPU's feature flags, so
@@ -39,7 +41,7 @@ CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64]
+             _PTR, _I64, _F32, _PTR]
 
 
 def cache_dir() -> Path:
@@ -69,7 +71,9 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
     flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), exe, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    # the headers beside the source are part of it (it includes them by name)
+    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]
+    key = hashlib.sha256("\0".join([*texts, exe, version, *flags, _cpu_flags()]).encode()).hexdigest()
     out_dir = Path(out_dir) if out_dir is not None else cache_dir()
     out = out_dir / f"{source.stem}-{key[:16]}.so"
     if out.exists():
@@ -95,6 +99,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ca_block_partials.restype = ctypes.c_int
     lib.ca_block_partials.argtypes = _ARGTYPES
+    lib.ca_tiles_available.restype = ctypes.c_int
+    lib.ca_tiles_available.argtypes = []
     return lib
 
 
@@ -121,6 +127,34 @@ def native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and native_available())
 
 
+#: caches whose values bfloat16 holds exactly: with a bf16 query the kernel may take its tile path
+TILE_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def bf16_query_scale(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> float:
+    """The kernel's ``q_bf16_scale`` for queries ``scaled_queries(q, ..., scale)``: ``scale`` when q is bf16 and the
+    cache one of ``TILE_KV_DTYPES``, so the kernel may take the query back to bf16 exactly and run the block as bf16
+    tile products (AMX, where the CPU has it: ``csrc/tile_blocks.h``; the softmax weights rounded to bf16 for the V
+    sum, float32 sums), else 0.0 (float32 products)."""
+    return float(scale) if q.dtype == torch.bfloat16 and k_cache.dtype in TILE_KV_DTYPES else 0.0
+
+
+@torch.compiler.assume_constant_result
+def native_tiles_available() -> bool:
+    """Whether the kernel has its tile path here: built for a CPU with AMX (bf16) and the OS lets this process use
+    the tile registers. A constant to ``torch.compile``."""
+    return library() is not None and library().ca_tiles_available() == 1
+
+
+def tiles_serve(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows_per_kv_head: int) -> bool:
+    """Whether the kernel's tile path serves a call with ``rows_per_kv_head`` query rows per KV head (the
+    conditions of ``csrc/tile_blocks.h``: a bf16 query, a ``TILE_KV_DTYPES`` cache, head sizes multiples of 32, 8 to
+    16 rows or a multiple of 16, tiles available). Where it does, the kernel's time grows little with the rows."""
+    return (bf16_query_scale(q, k_cache, 1.0) > 0 and q.shape[-1] % 32 == 0 and v_cache.shape[-1] % 32 == 0
+            and (8 <= rows_per_kv_head <= 16 or rows_per_kv_head % 16 == 0) and native_fits(q, k_cache, v_cache)
+            and native_tiles_available())
+
+
 @torch.compiler.assume_constant_result
 def native_available() -> bool:
     """``library() is not None``, as a constant to ``torch.compile`` (which cannot trace a build or ctypes)."""
@@ -128,7 +162,7 @@ def native_available() -> bool:
 
 
 def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
-         num_rows=0, sinks=None, out=None) -> None:
+         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, lse=None) -> None:
     """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors."""
     n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
     if n == 0:
@@ -139,7 +173,7 @@ def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, l
         v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
         m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
         None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
-        min(k_cache.shape[0], v_cache.shape[0]))
+        min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if lse is None else lse.data_ptr())
     if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
         raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
                          f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
@@ -156,32 +190,37 @@ def _partials_like(qs: torch.Tensor, n: int, dv: int) -> tuple[torch.Tensor, tor
 @opaque_op
 def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                           unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
-                          logit_cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          logit_cap: float, q_bf16_scale: float = 0.0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each block's partial softmax (``decode_fused.fused_block_partials``' outputs), by the C++ kernel.
 
     qs: [rows, Hkv, G, D] float32, scaled; block_req: [n] int64, the row of each block (every entry < rows);
     runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D],
     v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
-    scales (1.0 for none); logit_cap: soft-cap, 0.0 for none.
+    scales (1.0 for none); logit_cap: soft-cap, 0.0 for none; q_bf16_scale: ``bf16_query_scale``'s (0.0: the
+    products in float32 on the vector path).
     returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
     Invalid positions are never read; a valid position whose slot lies outside the cache is a ValueError (checked
     in the kernel, which reads nothing there).
     """
     qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
     m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o)
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
+         q_bf16_scale=q_bf16_scale)
     return m, lsum, o
 
 
 @torch.library.register_fake(native_block_partials)
-def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap):
+def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                                q_bf16_scale=0.0):
     return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
 
 
 @opaque_op
 def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
-                         logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
+                         q_bf16_scale: float = 0.0) -> torch.Tensor:
     """The whole decode by the C++ kernel: ``native_block_partials`` over the blocks whose ``block_req`` is below
     ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of them,
     in one call. Arguments as ``native_block_partials``; sinks: [Hkv, G] float32 logits or None.
@@ -197,11 +236,37 @@ def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.
     m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
     sinks = None if sinks is None else sinks.float().contiguous()
     _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
-         out)
+         out, q_bf16_scale)
     return out
+
+
+@opaque_op
+def native_prefix_attention(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
+                            unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
+                            logit_cap: float, num_rows: int, q_bf16_scale: float = 0.0
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``native_decode_blocks`` (no sinks) that also returns each row's log-sum-exp, so a caller can join another
+    part of the softmax to it (verify's draft block: ``verify._merge_two``) without the blocks' partials.
+    -> out [num_rows, Hkv, G, Dv] float32 normalised (zeros for a row with no key), lse [num_rows, Hkv, G] float32
+    (the log of each row's softmax denominator, -inf for a row with no key)."""
+    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+    lse = qs.new_empty((num_rows, *qs.shape[1:3]))
+    if block_req.shape[0] == 0:
+        return out.zero_(), lse.fill_(-torch.inf)
+    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, None,
+         out, q_bf16_scale, lse)
+    return out, lse
+
+
+@torch.library.register_fake(native_prefix_attention)
+def _native_prefix_attention_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                                  num_rows, q_bf16_scale=0.0):
+    return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2])), qs.new_empty((num_rows, *qs.shape[1:3]))
 
 
 @torch.library.register_fake(native_decode_blocks)
 def _native_decode_blocks_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                               num_rows, sinks=None):
+                               num_rows, sinks=None, q_bf16_scale=0.0):
     return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))

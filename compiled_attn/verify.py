@@ -12,9 +12,11 @@ rows). The ``k`` draft keys form one extra tiny "draft block" per request, maske
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
 Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
-heads per KV head), one head size and V a cache of its own, the used prefix blocks read K/V in place
-(``decode_fused``, as the CPU decode): by the C++ kernel (``native_decode``) eagerly and compiled, or by the traced
-form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its loops lost to the flash op). Else,
+heads per KV head), or any number the C++ kernel's tile path serves (a bf16 query on an AMX CPU), one head size
+and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
+C++ kernel (``native_decode``; the prefix merged inside it, its log-sum-exp joined to the draft block's) eagerly
+and compiled, or by the traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
+loops lost to the flash op). Else,
 on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each request's prefix in L2-sized
 chunks through ATen's CPU flash kernel with the request's queries as they are (no per-block copies of them, no
 mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA, MLA's 576/512,
@@ -48,10 +50,10 @@ from .decode import (
     sinks_by_kv_head,
     total_blocks_needed,
 )
-from .decode_fused import choose_fused, used_block_partials
-from .kv_dtype import HALF_DTYPES, dequantize
+from .decode_fused import choose_fused, scaled_queries, used_block_partials
+from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
-from .native_decode import native_fits
+from .native_decode import bf16_query_scale, native_fits, native_prefix_attention, tiles_serve
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
@@ -63,7 +65,9 @@ _LOWEST = torch.finfo(torch.float32).min
 #: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads its prefix in place
 #: (``fused``); above it the flash kernel's GEMMs win (the in-place forms score row by row: their work grows with
 #: the rows). A bf16/fp16 cache takes the in-place form only through the C++ kernel (``native_decode``): inductor's
-#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them
+#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them. Where
+#: the kernel's tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU) there is no
+#: limit: its time grows little with the rows.
 FUSED_MAX_ROWS = 8
 
 
@@ -264,9 +268,10 @@ def verify_blocks(
     if bs == 0:
         return q.new_zeros(0, hq, dv)
     native = native is not False and native_fits(q, k_cache, v_cache)
-    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv,
-                         rows_fit=k * hq // hkv <= FUSED_MAX_ROWS and (k_cache.dtype not in HALF_DTYPES or native),
-                         native=native)
+    rows = k * hq // hkv
+    rows_fit = ((rows <= FUSED_MAX_ROWS or native and tiles_serve(q, k_cache, v_cache, rows))
+                and (k_cache.dtype not in HALF_DTYPES or native))
+    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=rows_fit, native=native)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
@@ -278,6 +283,12 @@ def verify_blocks(
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
+        out = _merge_two(o, lse, do, dm, dl, row_sinks)
+    elif fused and native:  # the prefix merged in the kernel (its log-sum-exp out beside it), the draft block joined
+        p = index.prefix
+        o, lse = native_prefix_attention(scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale), p.block_req,
+                                         p.runs, p.valid, p.unit, k_cache, v_cache, *scale_pair(k_scale, v_scale),
+                                         logit_cap or 0.0, bs, bf16_query_scale(q, k_cache, scale))
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
         if fused:

@@ -97,7 +97,7 @@ def test_empty_block_and_no_blocks():
 @pytest.mark.parametrize("march", ["x86-64", "haswell"])
 def test_builds_for_other_instruction_sets_agree(march, tmp_path):
     """The same source built for plain x86-64 (half precision converted by moving bits) and for AVX2 + F16C gives
-    the native build's results (fp16 and float8 caches exercise the conversions)."""
+    the native build's results (fp16 and float8 caches exercise the conversions), and has no tile path."""
     import platform
 
     if platform.machine() != "x86_64":
@@ -114,6 +114,7 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
             got = native_block_partials(*args)
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    assert lib.ca_tiles_available() == 0  # no AMX in these instruction sets: the vector path serves every call
 
 
 def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
@@ -225,3 +226,66 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size):
     with pytest.raises(ValueError, match="outside the cache"):
         native_decode_blocks(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
                              0.0, 2, None)
+
+
+tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
+                                reason="no AMX tile path on this CPU (or this OS refuses the tile registers)")
+
+
+@tiles_only
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("hq, hkv, d", [(16, 2, 128), (32, 2, 64), (64, 2, 128), (8, 1, 256)])
+@pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
+def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
+    """The tile path (a bf16 query, 8 / 16 / 32 query rows per KV head): the scores' products are exact (the query
+    taken back to bf16 from the scaled float32 one), so m and the sum match float64 at float32 tolerance; the V sum
+    rounds each softmax weight to bf16, so o is within 2^-9 of the weights' mass times the largest |V|, and not
+    equal to the vector path's (float32 weights): the tiles did run. Scales, a soft-cap, NaN in unread slots,
+    chunks staged (page size 1, a block's end) and read in place (16 consecutive slots)."""
+    lens = [1, 17, 64, 200, 129]
+    b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
+                      seed=d + page_size)
+    b.q = b.q.bfloat16()
+    scale = d ** -0.5
+    qs = scaled_queries(b.q, hkv, scale)
+    n = int((index.block_req < len(lens)).sum())
+    args = (qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache, b.v_cache)
+    for k_scale, v_scale, cap in ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)):
+        m, lsum, o = native_block_partials(*args, k_scale, v_scale, cap, scale)
+        rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
+        torch.testing.assert_close(m.double(), rm, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lsum.double(), rl, atol=1e-4, rtol=1e-5)
+        vmax = (b.v_cache.double() * v_scale).nan_to_num(0).abs().max()
+        bound = 2.0 ** -9 * rl[..., None] * vmax + 1e-5
+        assert ((o.double() - ro).abs() <= bound).all()
+        vector = native_block_partials(*args, k_scale, v_scale, cap)[2]  # no q_bf16_scale: the vector path
+        assert (vector - o).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["vector", "tiles"])
+def test_prefix_attention_returns_the_normalised_output_and_its_lse(bf16):
+    """``native_prefix_attention`` (verify's merged prefix): each row's softmax over its keys, normalised, and
+    the log of its denominator, against float64; a row with no key gives zeros and -inf; a bucket's unused blocks
+    are skipped. With a bf16 query and 16 rows per KV head it takes the tile path where there is one."""
+    from compiled_attn.native_decode import native_prefix_attention
+
+    b, index = _batch([40, 130, 3], hq=32, hkv=2, d=64, page_size=16, block_size=32, kv_dtype=torch.bfloat16)
+    q = torch.cat([b.q, b.q[:1]])
+    if bf16:
+        q = q.bfloat16()
+    rows = 4  # one more row than requests: it owns no block
+    qs = scaled_queries(q, 2, 0.125)
+    n = int((index.block_req < 3).sum())
+    block_req = torch.cat([index.block_req[:n], torch.full((3,), rows)])
+    runs = torch.cat([index.runs[:n], torch.full((3, index.runs.shape[1]), 10 ** 9)])  # never read
+    valid = torch.cat([index.valid[:n], torch.ones(3, index.valid.shape[1], dtype=torch.bool)])
+    out, lse = native_prefix_attention(qs, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
+                                       rows, 0.125 if bf16 else 0.0)
+    assert (out[3] == 0).all() and (lse[3] == -torch.inf).all()
+    for r, length in enumerate([40, 130, 3]):
+        slots = b.req_to_token[b.rows[r], :length].long()
+        s = torch.einsum("hgd,nhd->hgn", qs[r].double(), b.k_cache[slots].double())
+        want = torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), b.v_cache[slots].double())
+        torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+        tol = 4e-3 if bf16 else 1e-5
+        torch.testing.assert_close(out[r].double(), want, atol=tol, rtol=tol)

@@ -270,6 +270,36 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(tree):
+    """A bf16 query and cache, head size 64, k = 4 at 4 query heads per KV head: 16 query rows per KV head, above
+    ``FUSED_MAX_ROWS``. Where the kernel's tile path serves them (``tiles_serve``: an AMX CPU) the compiled verify
+    reads its prefix in place through the kernel's merged op (``native_prefix_attention``), else through the flash
+    op; eagerly the same choice. Both match the float64 reference at bf16 tolerance."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from compiled_attn.native_decode import tiles_serve
+
+    k = 4
+    b, prefix = _case([5, 0, 130, 300], k, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
+    masks = random_trees(4, k, torch.Generator().manual_seed(3)) if tree else chain_mask(4, k)
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
+                       masks.reshape(-1) if tree else None)
+    tiles = native_available() and tiles_serve(b.q, b.k_cache, b.v_cache, k * 4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    step = torch.compile(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.125), backend=counter,
+                         fullgraph=True)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
+    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert (torch.ops.compiled_attn.native_prefix_attention.default in targets) == tiles
+    assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not tiles)
+    eager = verify_blocks(b.q, b.k_cache, b.v_cache, build_verify_index(b.req_to_token, meta.inputs), 0.125)
+    for o in (out, eager):
+        assert (o.double() - ref).abs().max() < 3e-2
+
+
 def test_fused_and_cpu_flash_together_is_an_error():
     b, prefix = _case([5, 9], 2)
     with pytest.raises(ValueError, match="fused=True and cpu_flash=True"):

@@ -1,0 +1,210 @@
+// Vector arithmetic shared by the decode kernel's two paths (block_partials.cpp, tile_blocks.h): 16-float
+// vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones), loaders from each cache dtype to
+// float32, horizontal sums, exp; and the Problem one kernel call solves.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+
+static inline v16 splat(float x) { return v16{} + x; }
+static inline v16 loadf(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
+static inline void storef(float* p, v16 v) { std::memcpy(p, &v, 64); }
+
+static inline float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The sums of four vectors as one 4-lane vector: a tree of shuffles shared by the four (a quarter of the
+// instructions of four separate horizontal sums, which were a third of the scoring time).
+static inline v4f hsum4(v16 a, v16 b, v16 c, v16 d) {
+  v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  v16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+          __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  v16 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+          __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
+}
+
+// 16 IEEE half-precision bit patterns -> float32.
+static inline v16 half_to_float(u16x16 w) {
+  v16 f;
+#if defined(__AVX512F__)
+  __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w)));
+  std::memcpy(&f, &r, 64);
+#elif defined(__F16C__)
+  const __m128i* x = reinterpret_cast<const __m128i*>(&w);
+  __m256 ra = _mm256_cvtph_ps(_mm_loadu_si128(x)), rb = _mm256_cvtph_ps(_mm_loadu_si128(x + 1));
+  std::memcpy(&f, &ra, 32);
+  std::memcpy(reinterpret_cast<char*>(&f) + 32, &rb, 32);
+#else
+  u32x16 x = __builtin_convertvector(w, u32x16);
+  u32x16 bits = ((x & 0x8000) << 16) | ((x & 0x7fff) << 13);
+  std::memcpy(&f, &bits, 64);
+  f = f * 5.192296858534828e+33f;  // 2^112, half's exponent bias (15) to float's (127); exact for subnormals
+#endif
+  return f;
+}
+
+// Loaders: 16 stored elements -> float32. E4M3 comes out times 2^-8 (its bits placed as a half's, whose bias is
+// 8 more), which the caller folds into the scale; float8 NaN codes become finite (a quantised cache holds
+// finite values), as in kv_dtype.fp8_to.
+struct F32 {
+  typedef float T;
+  static v16 load(const float* p) { return loadf(p); }
+};
+struct BF16 {
+  typedef uint16_t T;
+  static v16 load(const uint16_t* p) {
+    u16x16 x;
+    std::memcpy(&x, p, 32);
+    u32x16 w = __builtin_convertvector(x, u32x16) << 16;
+    v16 f;
+    std::memcpy(&f, &w, 64);
+    return f;
+  }
+};
+struct F16 {
+  typedef uint16_t T;
+  static v16 load(const uint16_t* p) {
+    u16x16 x;
+    std::memcpy(&x, p, 32);
+    return half_to_float(x);
+  }
+};
+struct E5M2 {  // the upper byte of a half
+  typedef uint8_t T;
+  static v16 load(const uint8_t* p) {
+    u8x16 x;
+    std::memcpy(&x, p, 16);
+    return half_to_float(__builtin_convertvector(x, u16x16) << 8);
+  }
+};
+struct E4M3 {
+  typedef uint8_t T;
+  static v16 load(const uint8_t* p) {
+    i8x16 x;
+    std::memcpy(&x, p, 16);
+    // the sign-extended byte moved 7 left: its exponent and mantissa land in a half's, and of the copies of its
+    // sign above them the mask keeps only the top one (three instructions where a separate sign took five)
+    u16x16 w = (u16x16)__builtin_convertvector(x, i16x16) << 7;
+    return half_to_float(w & 0xBF80);
+  }
+};
+
+// exp(x) for x <= 0 (scores minus their max): range reduction to 2^n * e^r, |r| <= ln2 / 2, and a degree-6
+// polynomial; relative error about 1e-7. Inputs below -87 give about e^-87 (callers mask where they need 0).
+static inline v16 vexp(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  v16 y = p * (r * r) + r + 1.0f;
+  i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  v16 s;
+  std::memcpy(&s, &e, 64);
+  return y * s;
+}
+
+struct Problem {
+  const float* qs;           // [rows, hkv, G, D] scaled queries
+  const int64_t* block_req;  // [n] query row of each block
+  const int64_t* runs;       // [n, B / unit] first slot / unit of each run of unit consecutive slots
+  const uint8_t* valid;      // [n, B]
+  const void* k;             // cache rows: element (slot, head, d) at slot * k_row + head * k_head + d
+  const void* v;
+  int64_t k_row, k_head, v_row, v_head;
+  int64_t n, hkv, G, D, Dv, B, unit;
+  int64_t num_slots;        // rows of the caches: a valid position's slot outside them is refused, never read
+  float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
+  float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]
+  int threads;
+  // merged form (out != nullptr): blocks whose block_req is >= rows are skipped, then each row's blocks are
+  // merged into out [rows, hkv, G, Dv] (log-sum-exp rule), with sinks [hkv * G] joining every denominator
+  int64_t rows;
+  const float* sinks;
+  float* out;
+  // > 0: qs is a bfloat16 query times this scale, which the tile path (tile_blocks.h) takes back to bf16 exactly
+  float q_bf16_scale;
+  float* lse;  // merged form: nullptr, or [rows, hkv * G], the log of each row's softmax denominator
+};
+
+constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
+
+// Prefetches the K and V lines of one head of one slot, D and Dv elements (K for the next read, V kept a little
+// longer: it is read after the block's softmax).
+// Prefetches the lines of `bytes` bytes at p (locality 3: into L1; 2: into L2).
+template <int locality = 3>
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* a = static_cast<const char*>(p);
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(a + c, 0, locality);
+}
+
+template <class T>
+static inline void prefetch_head(const T* k, const T* v, int64_t D, int64_t Dv) {
+  const char* ka = reinterpret_cast<const char*>(k);
+  for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) __builtin_prefetch(ka + c);
+  const char* va = reinterpret_cast<const char*>(v);
+  for (int64_t c = 0; c < Dv * (int64_t)sizeof(T); c += 64) __builtin_prefetch(va + c, 0, 2);
+}
+
+// The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding): the soft-cap on valid
+// scores, m[r] = the max (the lowest float32 when no position is valid), s = exp(s - m) (0 where s was -inf),
+// l[r] = its sum.
+static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_out,
+                         float* l_out) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * Bp;
+    if (cap > 0.f)
+      for (int64_t p = 0; p < B; ++p)
+        if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
+    for (int64_t p = B; p < Bp; ++p) sr[p] = -INFINITY;
+    v16 mx = splat(-INFINITY);
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      mx = x > mx ? x : mx;
+    }
+    float m = mx[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, mx[i]);
+    if (m == -INFINITY) m = -FLT_MAX;  // no valid key in the block
+    v16 sum{};
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      v16 e = x == -INFINITY ? v16{} : vexp(x - m);
+      storef(sr + p, e);
+      sum += e;
+    }
+    m_out[r] = m;
+    l_out[r] = hsum(sum);
+  }
+}
+
