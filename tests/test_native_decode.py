@@ -59,19 +59,24 @@ def _blocks_float64(qs, index, k_cache, v_cache, k_scale, v_scale, cap):
                                            (torch.float8_e4m3fn, 1e-5), (torch.float8_e5m2, 1e-5)])
 @pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 2, 64), (3, 3, 32), (16, 2, 80), (8, 1, 256)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
-def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size):
+@pytest.mark.parametrize("bf16_query", [False, True], ids=["f32q", "bf16q"])
+def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, bf16_query):
     """Per block and query row, the kernel's max, sum and weighted V equal a float64 computation over the same
     stored values (dequantised exactly: the tolerance is float32 arithmetic's, for every dtype), with scales and
-    a soft-cap; NaN in unread slots never reaches them."""
+    a soft-cap; NaN in unread slots never reaches them. A bf16 query with its scale (below 8 query rows per KV
+    head: the vector path, its scores by exact bf16 pair products where the CPU has AVX512-BF16) too."""
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
     assert index.unit == math.gcd(page_size, block_size)
-    qs = scaled_queries(b.q, hkv, d ** -0.5)
+    q, q_scale = (b.q.bfloat16(), d ** -0.5) if bf16_query else (b.q, 0.0)
+    if bf16_query and hq // hkv >= 8:
+        pytest.skip("8+ rows per KV head: the tile path where there is one (test_tile_path_matches_float64)")
+    qs = scaled_queries(q, hkv, d ** -0.5)
     n = int((index.block_req < len(lens)).sum())
     for k_scale, v_scale, cap in ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)):
         m, lsum, o = native_block_partials(qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit,
-                                           b.k_cache, b.v_cache, k_scale, v_scale, cap)
+                                           b.k_cache, b.v_cache, k_scale, v_scale, cap, q_scale)
         rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
         torch.testing.assert_close(m.double(), rm, atol=tol, rtol=tol)
         torch.testing.assert_close(lsum.double(), rl, atol=tol * 64, rtol=tol)
@@ -105,15 +110,19 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
     lib = native_decode.load(native_decode.build(out_dir=tmp_path, march=march))
     for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
-        qs = scaled_queries(b.q, 2, 0.1)
-        args = (qs, index.block_req[:4], index.runs[:4], index.valid[:4], index.unit, b.k_cache, b.v_cache, 0.5, 1.0,
-                0.0)
-        want = native_block_partials(*args)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(native_decode, "library", lambda: lib)  # the op calls whatever library() returns
-            got = native_block_partials(*args)
-        for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+        # a bf16 query with its scale: the native build's bf16 pair products (AVX512-BF16), exact as these builds'
+        # float32 ones
+        for q, q_scale in ((b.q, 0.0), (b.q.bfloat16(), 0.1)):
+            qs = scaled_queries(q, 2, 0.1)
+            args = (qs, index.block_req[:4], index.runs[:4], index.valid[:4], index.unit, b.k_cache, b.v_cache, 0.5,
+                    1.0, 0.0, q_scale)
+            want = native_block_partials(*args)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(native_decode, "library", lambda: lib)  # the op calls whatever library() returns
+                got = native_block_partials(*args)
+            tol = 1e-5 if q_scale else 1e-6  # pairs summed in another order
+            for w, g in zip(want, got, strict=True):
+                torch.testing.assert_close(g, w, atol=tol, rtol=tol)
     assert lib.ca_tiles_available() == 0  # no AMX in these instruction sets: the vector path serves every call
 
 

@@ -114,6 +114,35 @@ struct E4M3 {
   }
 };
 
+// The cache formats whose values bfloat16 holds exactly (a half-precision cache keeps its 11-bit significands on
+// the float32 paths).
+template <class L> struct Bf16Exact { static constexpr bool ok = false; };
+template <> struct Bf16Exact<BF16> { static constexpr bool ok = true; };
+template <> struct Bf16Exact<E4M3> { static constexpr bool ok = true; };
+template <> struct Bf16Exact<E5M2> { static constexpr bool ok = true; };
+
+#if defined(__AVX512BF16__)
+// 32 stored elements -> bf16 in a register, exactly (the formats of Bf16Exact)
+template <class L>
+static inline __m512i load32_bf16(const typename L::T* src) {
+  return (__m512i)_mm512_cvtne2ps_pbh((__m512)L::load(src + 16), (__m512)L::load(src));
+}
+template <>
+inline __m512i load32_bf16<BF16>(const uint16_t* src) {
+  return _mm512_loadu_si512(src);
+}
+
+// n (a multiple of 32) floats times mul -> bf16, rounded to nearest even
+static inline void to_bf16_rows(const float* x, float mul, int64_t n, uint16_t* out) {
+  const __m512 m = _mm512_set1_ps(mul);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + i + 16), m),
+                                           _mm512_mul_ps(_mm512_loadu_ps(x + i), m));
+    std::memcpy(out + i, &y, 64);
+  }
+}
+#endif
+
 // exp(x) for x <= 0 (scores minus their max): range reduction to 2^n * e^r, |r| <= ln2 / 2, and a degree-6
 // polynomial; relative error about 1e-7. Inputs below -87 give about e^-87 (callers mask where they need 0).
 static inline v16 vexp(v16 x) {

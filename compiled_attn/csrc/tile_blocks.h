@@ -32,13 +32,6 @@
 
 #include <type_traits>
 
-// The cache formats whose values bfloat16 holds exactly; a half-precision cache keeps its 11-bit significands on
-// the vector path.
-template <class L> struct TileSource { static constexpr bool ok = false; };
-template <> struct TileSource<BF16> { static constexpr bool ok = true; };
-template <> struct TileSource<E4M3> { static constexpr bool ok = true; };
-template <> struct TileSource<E5M2> { static constexpr bool ok = true; };
-
 // Linux gives a process the tile registers' state only when it asks (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // a kernel that refuses leaves the vector path.
 static bool tiles_permitted() {
@@ -49,7 +42,7 @@ static bool tiles_permitted() {
 // Whether the tile path serves a call (below 8 query rows per KV head the vector path is as fast).
 template <class L>
 static bool tiles_fit(const Problem& pr) {
-  return TileSource<L>::ok && pr.q_bf16_scale > 0.0f && pr.D % 32 == 0 && pr.Dv % 32 == 0 && pr.G >= 8 &&
+  return Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && pr.D % 32 == 0 && pr.Dv % 32 == 0 && pr.G >= 8 &&
          (pr.G <= 16 || pr.G % 16 == 0) && tiles_permitted();
 }
 
@@ -59,16 +52,6 @@ static inline uint16_t to_bf16(float x) {  // round to nearest even
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// 32 stored elements -> bf16 in a register, exactly (the formats of TileSource)
-template <class L>
-static inline __m512i load32_bf16(const typename L::T* src) {
-  return (__m512i)_mm512_cvtne2ps_pbh((__m512)L::load(src + 16), (__m512)L::load(src));
-}
-template <>
-inline __m512i load32_bf16<BF16>(const uint16_t* src) {
-  return _mm512_loadu_si512(src);
 }
 
 // GCC 12's intrinsics tell the compiler that ldtilecfg reads 8 bytes of its 64 and that tileloadd reads no memory
