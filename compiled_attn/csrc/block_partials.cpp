@@ -294,9 +294,10 @@ static int run_blocks(const Problem& pr) {
         float* mo = j == j0 ? pr.m + b0 * R : bm.data();
         float* lo = j == j0 ? pr.l + b0 * R : bl.data();
         float* oo = j == j0 ? pr.o + b0 * R * Dv : bo.data();
-        if (tiles) {
-          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, s.data(), Bp, ts, mo, lo, oo, next_slot,
-                        next_keep, j != j0);
+        if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
+          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, s.data(), Bp, ts, pr.m + b0 * R,
+                        pr.l + b0 * R, pr.o + b0 * R * Dv, next_slot, next_keep, j == j0, j + 1 == j1);
+          continue;
         } else {
           const float* q = pr.qs + pr.block_req[b] * R * D;
 #if defined(__AVX512BF16__)

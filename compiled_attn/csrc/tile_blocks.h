@@ -15,13 +15,16 @@
 //   are read by the tile loads in place, any other chunk is staged as bf16 (zeros at invalid positions: never
 //   read); per head and group of <= 16 query rows, S^T [16 positions, rows] = K_chunk Q^T (the queries packed once
 //   per call as B tiles), its columns gathered into the rows of s;
-// - the block's softmax (float32, shared with the vector path) and its weights rounded to bf16;
-// - V, 32 positions at a time: the rows of each pair of positions interleaved (the tile unit's layout for the
-//   B operand), O [rows, 16 columns] += P [rows, 32 positions] V_pairs; the interleave permutes columns within each
-//   32, undone when the block's sums are written out.
-// Prefetches: K a few positions ahead in the scores of an item's first block; V a few positions ahead in the V
-// phase, with the next block's K into L2 beside it (so the next scores start from L2, and the transfers are spread
-// over both phases rather than bursting in one: bursts left the tile products waiting on memory).
+// - the block's softmax in float32, continuing the running one of its work item (a run of a row's blocks: the
+//   running sums are rescaled to the new max, so the item writes one partial, at its last block), its weights
+//   rounded to bf16;
+// - V head by head: the head's rows for the whole block staged with each pair of positions interleaved (the tile
+//   unit's layout for the B operand), then per group of query rows and 64 columns, O [rows, 16 columns] += P [rows,
+//   32 positions] V_pairs in four accumulator tiles kept across the block's chunks; the interleave permutes columns
+//   within each 32, undone when the item's sums are written out.
+// Prefetches: K a few positions ahead in the scores of an item's first block (the next blocks' K comes into L2
+// during the previous block's V phase), head 0's V beside it, and each next head's V while a head is staged (the
+// transfers spread over both phases rather than bursting in one: bursts left the tile products waiting on memory).
 #pragma once
 #include "kernel_math.h"
 
@@ -70,28 +73,29 @@ struct alignas(64) TileConfig {
 struct TileScratch {
   int64_t gt = 0, groups = 0;
   std::vector<uint16_t> kt;  // [hkv, 16, D] one chunk's key rows
-  std::vector<uint16_t> vt;  // [hkv, 16, Dv, 2] one 32-position chunk's value rows, each pair interleaved
+  std::vector<uint16_t> vt;  // [Bp / 2, Dv, 2] one head's value rows for the block, each pair interleaved
   std::vector<uint16_t> pt;  // [R, Bp] the block's softmax weights
   std::vector<float> ct;     // [16, gt] one score tile
-  std::vector<float> acc;    // [R, Dv] weighted V sums, columns in tile order
+  // the running softmax of a work item's blocks so far: max, sum, weighted V sums (columns in tile order)
+  std::vector<float> m, l, alpha, acc;
 
   void start(const Problem& pr, int64_t Bp) {
     gt = std::min<int64_t>(pr.G, 16);
     groups = pr.G / gt;
     const int64_t R = pr.hkv * pr.G;
     kt.resize(pr.hkv * 16 * pr.D);
-    vt.resize(pr.hkv * 32 * pr.Dv);
+    vt.resize(Bp * pr.Dv);
     pt.resize(R * Bp);
     ct.resize(16 * gt);
-    acc.resize(R * pr.Dv);
+    m.resize(R), l.resize(R), alpha.resize(R), acc.resize(R * pr.Dv);
     TileConfig c{};
     c.palette = 1;
     c.rows[0] = 16, c.colsb[0] = (uint16_t)(4 * gt);  // S^T tile: 16 positions x gt rows, float32
     c.rows[1] = 16, c.colsb[1] = 64;                  // K: 16 positions x 32 bf16
     c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * gt);  // Q^T: 16 column pairs x gt rows
-    c.rows[3] = (uint8_t)gt, c.colsb[3] = 64;         // O: gt rows x 16 float32 columns
-    c.rows[4] = (uint8_t)gt, c.colsb[4] = 64;         // P: gt rows x 32 positions, bf16
-    c.rows[5] = 16, c.colsb[5] = 64;                  // V: 16 position pairs x 16 columns
+    for (int i = 3; i < 7; ++i) c.rows[i] = (uint8_t)gt, c.colsb[i] = 64;  // O: gt rows x 16 float32 columns
+    c.rows[7] = (uint8_t)gt, c.colsb[7] = 64;                             // P: gt rows x 32 positions, bf16
+    // V, 16 position pairs x 16 columns, is loaded into tile 1 (K's shape) once the scores are done
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
   }
   void finish() { _tile_release(); }
@@ -119,11 +123,43 @@ static void pack_queries(const Problem& pr, int64_t r0, int64_t r1, uint16_t* qt
       }
 }
 
-// One block by tiles; outputs as the vector path's (m, l, o of the block). s: [R, Bp] scratch.
+// The block's softmax continuing the running one of its work item (ts.m, ts.l; first: none yet): per row the new
+// max M (the lowest float32 while no key is valid), alpha = e^(m - M) to rescale what was summed, s = e^(s - M) (0
+// at -inf), l = l alpha + the sum of s.
+static void running_softmax(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap,
+                            TileScratch& ts, bool first) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * Bp;
+    if (cap > 0.f)
+      for (int64_t p = 0; p < B; ++p)
+        if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
+    v16 mx = splat(first ? -FLT_MAX : ts.m[r]);
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      mx = x > mx ? x : mx;
+    }
+    float M = mx[0];
+    for (int i = 1; i < 16; ++i) M = std::max(M, mx[i]);
+    v16 sum{};
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      v16 e = x == -INFINITY ? v16{} : vexp(x - M);
+      storef(sr + p, e);
+      sum += e;
+    }
+    ts.alpha[r] = first ? 0.0f : std::exp(ts.m[r] - M);
+    ts.l[r] = (first ? 0.0f : ts.l[r] * ts.alpha[r]) + hsum(sum);
+    ts.m[r] = M;
+  }
+}
+
+// One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
+// the last writes the item's m, l, o, as the vector path's partials). s: [R, Bp] scratch.
 template <class L>
 static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, float* s,
                        int64_t Bp, TileScratch& ts, float* mo, float* lo, float* oo, const int64_t* next_slot,
-                       const uint8_t* next_val, bool k_fetched) {
+                       const uint8_t* next_val, bool first, bool last) {
+  const bool k_fetched = !first;
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -153,6 +189,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t pos = c0 + p, ahead = pos + kPrefetch;
       const bool ok = valid_at(pos), fetch = !k_fetched && valid_at(ahead);
+      if (valid_at(ahead)) prefetch_lines(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));  // head 0's V
       for (int64_t h = 0; h < hkv; ++h) {
         if (fetch) prefetch_lines(kc + slot[ahead] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
         if (direct) continue;
@@ -183,61 +220,89 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
       }
     }
   }
-  softmax_rows(s, val, B, Bp, R, pr.cap, mo, lo);
+  running_softmax(s, val, B, Bp, R, pr.cap, ts, first);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t p = 0; p < Bp; p += 32) {
       __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * Bp + p + 16), _mm512_loadu_ps(s + r * Bp + p));
       std::memcpy(ts.pt.data() + r * Bp + p, &x, 64);
     }
-  // weighted V
-  std::fill(ts.acc.begin(), ts.acc.end(), 0.0f);
-  for (int64_t c0 = 0; c0 < Bp; c0 += 32) {
-    if (!any_valid(c0, 32)) continue;
-    for (int64_t k2 = 0; k2 < 16; ++k2) {
-      const int64_t p0 = c0 + 2 * k2, p1 = p0 + 1;
-      const bool ok0 = valid_at(p0), ok1 = valid_at(p1);
-      for (int64_t h = 0; h < hkv; ++h) {
-        // V two pairs ahead; the next block's K at these positions, into L2 (its score phase then starts from there)
-        for (int64_t a = p0 + kPrefetch; a < p0 + kPrefetch + 2; ++a)
-          if (valid_at(a)) prefetch_lines(vc + slot[a] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
-        if (next_slot)
-          for (int64_t a = p0; a < p0 + 2; ++a)
-            if (a < B && next_val[a])
-              prefetch_lines<2>(kc + next_slot[a] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
-        uint16_t* dst = ts.vt.data() + (h * 16 + k2) * Dv * 2;
-        const T* v0 = ok0 ? vc + slot[p0] * pr.v_row + h * pr.v_head : nullptr;
-        const T* v1 = ok1 ? vc + slot[p1] * pr.v_row + h * pr.v_head : nullptr;
-        for (int64_t d = 0; d < Dv; d += 32) {
-          const __m512i x0 = v0 ? load32_bf16<L>(v0 + d) : _mm512_setzero_si512();
-          const __m512i x1 = v1 ? load32_bf16<L>(v1 + d) : _mm512_setzero_si512();
-          _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(x0, x1));
-          _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(x0, x1));
-        }
+  // the running sums rescaled to the new max
+  for (int64_t r = 0; r < R; ++r) {
+    float* ar = ts.acc.data() + r * Dv;
+    if (first) std::fill(ar, ar + Dv, 0.0f);
+    else if (ts.alpha[r] != 1.0f)
+      for (int64_t d = 0; d < Dv; d += 16) storef(ar + d, loadf(ar + d) * ts.alpha[r]);
+  }
+  // weighted V, head by head: the head's V rows for the block staged as interleaved pairs (the next head's
+  // prefetched meanwhile, and the next block's keys into L2), then per group of query rows and 64 columns four
+  // accumulator tiles kept across the block's 32-position chunks
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t k2 = 0; k2 < Bp / 2; ++k2) {
+      const int64_t p0 = 2 * k2, p1 = p0 + 1;
+      for (int64_t p = p0; p <= p1; ++p) {
+        if (h + 1 < hkv && valid_at(p))
+          prefetch_lines(vc + slot[p] * pr.v_row + (h + 1) * pr.v_head, Dv * (int64_t)sizeof(T));
+        if (next_slot && p < B && next_val[p])
+          prefetch_lines<2>(kc + next_slot[p] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+      }
+      uint16_t* dst = ts.vt.data() + k2 * Dv * 2;
+      const T* v0 = valid_at(p0) ? vc + slot[p0] * pr.v_row + h * pr.v_head : nullptr;
+      const T* v1 = valid_at(p1) ? vc + slot[p1] * pr.v_row + h * pr.v_head : nullptr;
+      for (int64_t d = 0; d < Dv; d += 32) {
+        const __m512i x0 = v0 ? load32_bf16<L>(v0 + d) : _mm512_setzero_si512();
+        const __m512i x1 = v1 ? load32_bf16<L>(v1 + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * d, _mm512_unpacklo_epi16(x0, x1));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(x0, x1));
       }
     }
-    for (int64_t h = 0; h < hkv; ++h)
-      for (int64_t t = 0; t < ts.groups; ++t) {
-        const int64_t r0 = h * G + t * gt;
-        TILE_LOAD(4, ts.pt.data() + r0 * Bp + c0, Bp * 2);
-        for (int64_t j = 0; j < Dv / 16; ++j) {
-          float* o = ts.acc.data() + r0 * Dv + 16 * j;
-          TILE_LOAD(3, o, Dv * 4);
-          TILE_LOAD(5, ts.vt.data() + h * 16 * Dv * 2 + 32 * j, Dv * 4);
-          _tile_dpbf16ps(3, 4, 5);
-          _tile_stored(3, o, Dv * 4);
+    for (int64_t t = 0; t < ts.groups; ++t) {
+      const int64_t r0 = h * G + t * gt;
+      for (int64_t j0 = 0; j0 < Dv / 16; j0 += 4) {
+        const int64_t jn = std::min<int64_t>(4, Dv / 16 - j0);
+        float* o = ts.acc.data() + r0 * Dv + 16 * j0;
+        TILE_LOAD(3, o, Dv * 4);
+        if (jn > 1) TILE_LOAD(4, o + 16, Dv * 4);
+        if (jn > 2) TILE_LOAD(5, o + 32, Dv * 4);
+        if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
+        for (int64_t c0 = 0; c0 < Bp; c0 += 32) {
+          if (!any_valid(c0, 32)) continue;
+          TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
+          const uint16_t* vb = ts.vt.data() + c0 / 2 * Dv * 2 + 32 * j0;
+          TILE_LOAD(1, vb, Dv * 4);
+          _tile_dpbf16ps(3, 7, 1);
+          if (jn > 1) {
+            TILE_LOAD(1, vb + 32, Dv * 4);
+            _tile_dpbf16ps(4, 7, 1);
+          }
+          if (jn > 2) {
+            TILE_LOAD(1, vb + 64, Dv * 4);
+            _tile_dpbf16ps(5, 7, 1);
+          }
+          if (jn > 3) {
+            TILE_LOAD(1, vb + 96, Dv * 4);
+            _tile_dpbf16ps(6, 7, 1);
+          }
         }
+        _tile_stored(3, o, Dv * 4);
+        if (jn > 1) _tile_stored(4, o + 16, Dv * 4);
+        if (jn > 2) _tile_stored(5, o + 32, Dv * 4);
+        if (jn > 3) _tile_stored(6, o + 48, Dv * 4);
       }
+    }
   }
-  // the sums' columns back in V's order: per 32 elements the interleave put words 0-3 of each 128-bit lane in the
-  // first 16 columns (elements 0-3, 8-11, 16-19, 24-27) and words 4-7 in the next 16
+  if (!last) return;
+  // the item's partial; the sums' columns back in V's order: per 32 elements the interleave put words 0-3 of each
+  // 128-bit lane in the first 16 columns (elements 0-3, 8-11, 16-19, 24-27) and words 4-7 in the next 16
+  std::copy(ts.m.begin(), ts.m.end(), mo);
+  std::copy(ts.l.begin(), ts.l.end(), lo);
   const v16 mul = splat(pr.v_mul);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < Dv; d += 32) {
-      const v16 lo = loadf(ts.acc.data() + r * Dv + d), hi = loadf(ts.acc.data() + r * Dv + d + 16);
+      const v16 lo16 = loadf(ts.acc.data() + r * Dv + d), hi16 = loadf(ts.acc.data() + r * Dv + d + 16);
       storef(oo + r * Dv + d,
-             __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23) * mul);
+             __builtin_shufflevector(lo16, hi16, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23) * mul);
       storef(oo + r * Dv + d + 16,
-             __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31) * mul);
+             __builtin_shufflevector(lo16, hi16, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31) * mul);
     }
 }
 
@@ -253,6 +318,6 @@ static bool tiles_built() { return false; }
 static void pack_queries(const Problem&, int64_t, int64_t, uint16_t*) {}
 template <class L>
 static void tile_block(const Problem&, const uint16_t*, const int64_t*, const uint8_t*, float*, int64_t, TileScratch&, float*,
-                       float*, float*, const int64_t*, const uint8_t*, bool) {}
+                       float*, float*, const int64_t*, const uint8_t*, bool, bool) {}
 
 #endif
