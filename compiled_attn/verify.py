@@ -12,7 +12,7 @@ rows). The ``k`` draft keys form one extra tiny "draft block" per request, maske
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
 Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
-heads per KV head), or any number the C++ kernel's tile path serves (a bf16 query on an AMX CPU), one head size
+heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile path serves), one head size
 and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
 C++ kernel (``native_decode``; the prefix merged inside it, its log-sum-exp joined to the draft block's) eagerly
 and compiled, or by the traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
@@ -65,10 +65,13 @@ _LOWEST = torch.finfo(torch.float32).min
 #: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads its prefix in place
 #: (``fused``); above it the flash kernel's GEMMs win (the in-place forms score row by row: their work grows with
 #: the rows). A bf16/fp16 cache takes the in-place form only through the C++ kernel (``native_decode``): inductor's
-#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them. Where
-#: the kernel's tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU) there is no
-#: limit: its time grows little with the rows.
+#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them.
 FUSED_MAX_ROWS = 8
+#: the same limit for the C++ kernel's vector path, which scores the rows with less work per key than inductor's
+#: loops (bs 32, float32, 16 rows per KV head: 35-39 ms against the flash op's 56-84; at 32 rows within 10% of it
+#: either way). Where its tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU)
+#: there is no limit: its time grows little with the rows.
+NATIVE_MAX_ROWS = 16
 
 
 class VerifyInputs(NamedTuple):
@@ -258,7 +261,8 @@ def verify_blocks(
     ([Hq] attention-sink logits): as ``decode.decode_blocks``. fused: the prefix blocks read K/V in place
     (``decode_fused``, as the CPU decode); None picks it on a CPU while compiling or where the C++ kernel fits
     (``native``: as ``decode.decode_blocks``), for one head size, V a cache of its own and at most
-    ``FUSED_MAX_ROWS`` query rows per KV head (its work grows with the rows, the flash kernel's GEMMs do not).
+    ``FUSED_MAX_ROWS`` query rows per KV head (``NATIVE_MAX_ROWS`` through the kernel, any number its tile path
+    serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not).
     Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
@@ -267,9 +271,11 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
-    native = native is not False and native_fits(q, k_cache, v_cache)
+    # eagerly, a batch of one indexed on the host keeps its one gather and one flash call, as in decode
+    native = native is not False and native_fits(q, k_cache, v_cache) and index.prefix.single is None
     rows = k * hq // hkv
-    rows_fit = ((rows <= FUSED_MAX_ROWS or native and tiles_serve(q, k_cache, v_cache, rows))
+    rows_fit = ((rows <= (NATIVE_MAX_ROWS if native else FUSED_MAX_ROWS)
+                 or native and tiles_serve(q, k_cache, v_cache, rows))
                 and (k_cache.dtype not in HALF_DTYPES or native))
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=rows_fit, native=native)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)

@@ -14,6 +14,7 @@ from compiled_attn.compile_policy import compile_step
 from compiled_attn.native_decode import native_available
 from compiled_attn.verify import (
     FUSED_MAX_ROWS,
+    NATIVE_MAX_ROWS,
     build_verify_index,
     chain_mask,
     draft_mask_from_custom,
@@ -247,11 +248,13 @@ def test_compiles_once_per_bucket(form):
         q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25))
 
 
-@pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (4, torch.bfloat16)])
+@pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (9, torch.float32), (4, torch.bfloat16)])
 def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
-    """Under ``torch.compile`` on CPU the default prefix form reads a float32 cache in place (``index_columns``, no
-    flash op) up to ``FUSED_MAX_ROWS`` query rows per KV head (k = 4 at 2 query heads per KV head: 8 rows), and the
-    flash op above (k = 5: 10 rows) or over a bf16 cache. All match the float64 reference."""
+    """Under ``torch.compile`` on CPU the default prefix form reads a float32 cache in place (the C++ kernel's
+    merged op, or ``index_columns`` without it; no flash op) up to ``NATIVE_MAX_ROWS`` query rows per KV head
+    through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), and the flash op above (k
+    = 9: 18 rows; head size 16: no tile path) or over a bf16 cache without the kernel. All match the float64
+    reference."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -263,7 +266,8 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
                          fullgraph=True)
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
-    fused = k * 2 <= FUSED_MAX_ROWS and (dtype == torch.float32 or native_available())
+    limit = NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS
+    fused = k * 2 <= limit and (dtype == torch.float32 or native_available())
     assert (in_place_op(verify=True) in targets) == fused
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
