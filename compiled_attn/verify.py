@@ -16,11 +16,11 @@ heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its ti
 and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
 C++ kernel (``native_decode``; the prefix merged inside it, its log-sum-exp joined to the draft block's) eagerly
 and compiled, or by the traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
-loops lost to the flash op). Else,
-on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each request's prefix in L2-sized
-chunks through ATen's CPU flash kernel with the request's queries as they are (no per-block copies of them, no
-mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA, MLA's 576/512,
-soft-capped models) a matmul form over the blocks. The draft block is always a small matmul (``k`` keys).
+loops lost to the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads
+each request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are
+(no per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA,
+MLA's 576/512, soft-capped models) a matmul form over the blocks. The draft block is always a small matmul (``k``
+keys).
 Everything after ``plan_verify`` is tensor code with static shapes per (batch capacity, ``k``, block capacity): no
 ``.item()``; the CPU forms' ops read their indices on the host (CPU tensors, never a device sync).
 

@@ -80,9 +80,13 @@ static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const 
 
 // Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
 // row is read once, for all query rows of its head. DV: D / 16 for a compiled-in head size (the key row lives in
-// registers), else 0.
-template <class L, int DV>
-static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t* val, const float* qv, float* s,
+// registers), else 0. q: qv [R, D] float32, the scaled queries times K's scale; with PAIRS (a bf16 query, D / 16
+// even, G a multiple of 4, AVX512-BF16) qb [R, D] bf16, q exactly (the scaled queries divided by the scale): each
+// key row is loaded as bf16 (a bf16 cache as it is, float8 converted exactly), two elements per lane multiplied
+// exactly and summed in float32, the sums then scaled by the scale times K's scale: half the instructions of the
+// float32 products and no conversion of a bf16 row.
+template <class L, int DV, bool PAIRS>
+static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t* val, const void* q, float* s,
                           int64_t Bp) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
@@ -100,9 +104,27 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
       // burst of a whole row (a burst fills the line-fill buffers and stalls the arithmetic behind it)
       if (ahead) prefetch_head(kc + ps * pr.k_row + h * pr.k_head, vc + ps * pr.v_row + h * pr.v_head, D, Dv);
       const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
-      const float* q0 = qv + h * G * D;
       float* sp = s + h * G * Bp + p;
-      if (DV && G % 4 == 0) {
+      if constexpr (PAIRS) {
+#if defined(__AVX512BF16__)
+        constexpr int NV = DV / 2;  // registers per key row
+        const v4f mul = v4f{} + pr.q_bf16_scale * pr.k_mul;
+        __m512bh kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)load32_bf16<L>(kr + 32 * j);
+        for (int64_t g = 0; g < G; g += 4) {
+          const uint16_t* qg = static_cast<const uint16_t*>(q) + (h * G + g) * D;
+          __m512 a[4];
+          for (int i = 0; i < 4; ++i) {
+            a[i] = _mm512_setzero_ps();
+            for (int j = 0; j < NV; ++j)
+              a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qg + i * D + 32 * j), kv[j]);
+          }
+          v4f t = hsum4((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3]) * mul;
+          for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
+        }
+#endif
+      } else if (DV && G % 4 == 0) {
+        const float* q0 = static_cast<const float*>(q) + h * G * D;
         v16 kv[DV ? DV : 1];
         for (int j = 0; j < DV; ++j) kv[j] = L::load(kr + 16 * j);
         for (int64_t g = 0; g < G; g += 4) {
@@ -119,6 +141,7 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
           for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
         }
       } else {
+        const float* q0 = static_cast<const float*>(q) + h * G * D;
         for (int64_t g = 0; g < G; ++g) {
           v16 acc{};
           for (int64_t d = 0; d < D; d += 16) acc += loadf(q0 + g * D + d) * L::load(kr + d);
@@ -128,49 +151,6 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
     }
   }
 }
-
-#if defined(__AVX512BF16__)
-// Scores by bf16 pair dot products (AVX512-BF16) for a bf16 query: qb [R, D] is q exactly (the scaled float32
-// queries divided by the scale), each key row is loaded as bf16 (a bf16 cache as it is, float8 converted exactly),
-// two elements per lane are multiplied exactly and summed in float32, and the sums are scaled by the scale times
-// K's scale. Half the instructions of the float32 products and no conversion of a bf16 row. DV: D / 16, even.
-template <class L, int DV>
-static void pair_scores(const Problem& pr, const int64_t* slot, const uint8_t* val, const uint16_t* qb, float* s,
-                        int64_t Bp) {
-  typedef typename L::T T;
-  constexpr int NV = DV / 2;  // registers per key row
-  const T* kc = static_cast<const T*>(pr.k);
-  const T* vc = static_cast<const T*>(pr.v);
-  const int64_t D = DV * 16, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv, R = hkv * G;
-  const v4f mul = v4f{} + pr.q_bf16_scale * pr.k_mul;
-  for (int64_t p = 0; p < B; ++p) {
-    const bool ahead = p + kPrefetch < B && val[p + kPrefetch];
-    const int64_t ps = ahead ? slot[p + kPrefetch] : 0;
-    if (!val[p]) {
-      for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
-      continue;
-    }
-    for (int64_t h = 0; h < hkv; ++h) {
-      if (ahead) prefetch_head(kc + ps * pr.k_row + h * pr.k_head, vc + ps * pr.v_row + h * pr.v_head, D, Dv);
-      const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
-      __m512bh kv[NV];
-      for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)load32_bf16<L>(kr + 32 * j);
-      float* sp = s + h * G * Bp + p;
-      for (int64_t g = 0; g < G; g += 4) {
-        const uint16_t* qg = qb + (h * G + g) * D;
-        __m512 a[4];
-        for (int i = 0; i < 4; ++i) {
-          a[i] = _mm512_setzero_ps();
-          for (int j = 0; j < NV; ++j)
-            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qg + i * D + 32 * j), kv[j]);
-        }
-        v4f t = hsum4((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3]) * mul;
-        for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
-      }
-    }
-  }
-}
-#endif
 
 // The weighted V sum of one block by vector FMAs: o[r, :] = v_mul * sum_p w[r, p] V[slot p, head of r, :], per
 // head 4 query rows x 64 output columns at a time.
@@ -224,8 +204,8 @@ static int run_blocks(const Problem& pr) {
   const int64_t used = pr.out ? first[pr.rows] : pr.n;  // the merged form computes order[0 .. used) only
   auto block_at = [&](int64_t j) { return pr.out ? order[j] : j; };
   // Work items: in the partials form one block each; in the merged form runs of up to `span` consecutive blocks of
-  // one row, folded together as they are computed, so that one partial per item is written out and merged (the
-  // partials of every block, written to memory and read back, cost as much as a quarter of the reads of K/V).
+  // one row, folded together as they are computed, so that one partial per item is written out and merged (storing
+  // every block's partials to memory took a fifth of an instrumented single-thread run).
   // Item it covers order[item_start[it] ..][: item_count[it]] and leaves its partial at its first block's index.
   std::vector<int64_t> item_start, item_count, row_items, item_block;
   if (pr.out) {
@@ -303,12 +283,12 @@ static int run_blocks(const Problem& pr) {
 #if defined(__AVX512BF16__)
           if (pairs) {
             to_bf16_rows(q, 1.0f / pr.q_bf16_scale, R * D, qb.data());
-            pair_scores<L, DV ? DV : 2>(pr, slot, keep, qb.data(), s.data(), Bp);
+            vector_scores<L, DV ? DV : 2, true>(pr, slot, keep, qb.data(), s.data(), Bp);
           }
 #endif
           if (!pairs) {
             for (int64_t i = 0; i < R * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
-            vector_scores<L, DV>(pr, slot, keep, qv.data(), s.data(), Bp);
+            vector_scores<L, DV, false>(pr, slot, keep, qv.data(), s.data(), Bp);
           }
           softmax_rows(s.data(), keep, B, Bp, R, pr.cap, mo, lo);
           vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);

@@ -207,17 +207,19 @@ static inline void prefetch_head(const T* k, const T* v, int64_t D, int64_t Dv) 
 }
 
 // The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding): the soft-cap on valid
-// scores, m[r] = the max (the lowest float32 when no position is valid), s = exp(s - m) (0 where s was -inf),
-// l[r] = its sum.
-static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_out,
-                         float* l_out) {
+// scores, then with alpha == nullptr the block's own: m[r] = the max (the lowest float32 when no position is
+// valid), s = exp(s - m) (0 where s was -inf), l[r] = its sum; with alpha, continuing a running one (m, l in and
+// out; m the lowest float32 and l 0 before the first block): M = max(m, the scores), alpha[r] = e^(m - M) to
+// rescale what was summed, s = exp(s - M), l = l alpha + the sum, m = M.
+static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_io,
+                         float* l_io, float* alpha = nullptr) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * Bp;
     if (cap > 0.f)
       for (int64_t p = 0; p < B; ++p)
         if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
     for (int64_t p = B; p < Bp; ++p) sr[p] = -INFINITY;
-    v16 mx = splat(-INFINITY);
+    v16 mx = splat(alpha ? m_io[r] : -INFINITY);
     for (int64_t p = 0; p < Bp; p += 16) {
       v16 x = loadf(sr + p);
       mx = x > mx ? x : mx;
@@ -232,8 +234,13 @@ static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, in
       storef(sr + p, e);
       sum += e;
     }
-    m_out[r] = m;
-    l_out[r] = hsum(sum);
+    if (alpha) {
+      alpha[r] = std::exp(m_io[r] - m);
+      l_io[r] = l_io[r] * alpha[r] + hsum(sum);
+    } else {
+      l_io[r] = hsum(sum);
+    }
+    m_io[r] = m;
   }
 }
 

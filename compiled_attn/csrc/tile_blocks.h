@@ -123,36 +123,6 @@ static void pack_queries(const Problem& pr, int64_t r0, int64_t r1, uint16_t* qt
       }
 }
 
-// The block's softmax continuing the running one of its work item (ts.m, ts.l; first: none yet): per row the new
-// max M (the lowest float32 while no key is valid), alpha = e^(m - M) to rescale what was summed, s = e^(s - M) (0
-// at -inf), l = l alpha + the sum of s.
-static void running_softmax(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap,
-                            TileScratch& ts, bool first) {
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = s + r * Bp;
-    if (cap > 0.f)
-      for (int64_t p = 0; p < B; ++p)
-        if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
-    v16 mx = splat(first ? -FLT_MAX : ts.m[r]);
-    for (int64_t p = 0; p < Bp; p += 16) {
-      v16 x = loadf(sr + p);
-      mx = x > mx ? x : mx;
-    }
-    float M = mx[0];
-    for (int i = 1; i < 16; ++i) M = std::max(M, mx[i]);
-    v16 sum{};
-    for (int64_t p = 0; p < Bp; p += 16) {
-      v16 x = loadf(sr + p);
-      v16 e = x == -INFINITY ? v16{} : vexp(x - M);
-      storef(sr + p, e);
-      sum += e;
-    }
-    ts.alpha[r] = first ? 0.0f : std::exp(ts.m[r] - M);
-    ts.l[r] = (first ? 0.0f : ts.l[r] * ts.alpha[r]) + hsum(sum);
-    ts.m[r] = M;
-  }
-}
-
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
 // the last writes the item's m, l, o, as the vector path's partials). s: [R, Bp] scratch.
 template <class L>
@@ -220,7 +190,8 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
       }
     }
   }
-  running_softmax(s, val, B, Bp, R, pr.cap, ts, first);
+  if (first) std::fill(ts.m.begin(), ts.m.end(), -FLT_MAX), std::fill(ts.l.begin(), ts.l.end(), 0.0f);
+  softmax_rows(s, val, B, Bp, R, pr.cap, ts.m.data(), ts.l.data(), ts.alpha.data());
   for (int64_t r = 0; r < R; ++r)
     for (int64_t p = 0; p < Bp; p += 32) {
       __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * Bp + p + 16), _mm512_loadu_ps(s + r * Bp + p));
