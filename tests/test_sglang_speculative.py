@@ -137,7 +137,16 @@ def test_mask_layout_follows_sglang():
     assert mask_layout(torch.device("cpu")) == want
 
 
-def test_target_verify_soft_cap_and_bf16():
+def test_target_verify_soft_cap_and_bf16(monkeypatch):
+    """A soft-capped layer (float32), and a bf16 model: 16 query rows per KV head (4 drafts x 4 query heads per KV
+    head, head size 64), whose prefix the C++ kernel reads through its merged op (on its AMX tile path where the CPU
+    has one), checked by a spy; both against the float64 reference."""
+    import compiled_attn.verify as verify_mod
+    from compiled_attn.native_decode import native_available
+
+    calls = []
+    real = verify_mod.native_prefix_attention
+    monkeypatch.setattr(verify_mod, "native_prefix_attention", lambda *a: calls.append(a) or real(*a))
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=13)
     masks, spec = _tree_spec(5)
@@ -147,9 +156,13 @@ def test_target_verify_soft_cap_and_bf16():
     torch.testing.assert_close(out.double(), _reference(batch, masks, logit_cap=5.0), atol=1e-4, rtol=0)
     mr = H.make_model_runner(g, seed=14, dtype=torch.bfloat16)
     batch = _verify_batch(mr, PREFIX, K, spec)
+    calls.clear()
     out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _reference(batch, masks), atol=3e-2, rtol=0)
+    if native_available():  # the queries grouped [bs, Hkv, K * group, D], marked bf16 (q_bf16_scale: tiles may run)
+        assert calls and calls[-1][0].shape[1:3] == (g.num_kv_heads, K * g.num_heads // g.num_kv_heads)
+        assert calls[-1][-1] == pytest.approx(g.sm_scale)
 
 
 def test_target_verify_errors():
