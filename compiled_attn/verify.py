@@ -50,7 +50,7 @@ from .decode import (
     sinks_by_kv_head,
     total_blocks_needed,
 )
-from .decode_fused import choose_fused, scaled_queries, used_block_partials
+from .decode_fused import choose_fused, gather_heads_float, scaled_queries, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
 from .native_decode import bf16_query_scale, native_fits, native_prefix_attention, tiles_serve
@@ -286,15 +286,17 @@ def verify_blocks(
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
-    dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
+    in_kernel = fused and native and not cpu_flash
+    qs = scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale) if in_kernel else None  # [bs, Hkv, rows, D]
+    dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale, qs)
     if cpu_flash:
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
-    elif fused and native:  # the prefix merged in the kernel (its log-sum-exp out beside it), the draft block joined
+    elif in_kernel:  # the prefix merged in the kernel (its log-sum-exp out beside it), the draft block joined
         p = index.prefix
-        o, lse = native_prefix_attention(scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale), p.block_req,
-                                         p.runs, p.valid, p.unit, k_cache, v_cache, *scale_pair(k_scale, v_scale),
-                                         logit_cap or 0.0, bs, bf16_query_scale(q, k_cache, scale))
+        o, lse = native_prefix_attention(qs, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache,
+                                         *scale_pair(k_scale, v_scale), logit_cap or 0.0, bs,
+                                         bf16_query_scale(q, k_cache, scale))
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
         if fused:
@@ -359,19 +361,28 @@ def _masked_softmax_parts(s, valid, logit_cap):
     return m, torch.where(valid, torch.exp(s - m[..., None]), 0.0)
 
 
-def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
+def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale,
+                 qs=None):
     """Each request's ``k`` queries over its masked block (the ``k`` draft keys under the chain/tree mask, after a
     window's edge keys: a tiny matmul) -> (m, lsum, o) of shapes [bs, Hkv, k * group(, Dv)], o unnormalised,
-    float32."""
+    float32. qs: ``qg`` scaled in float32 where the caller has it (``scaled_queries``' stored buffer: the matmul
+    reads it as it is, where a copy of qg converted, scaled and made contiguous cost the compiled step more than
+    the matmul)."""
     bs, hkv, rows, dqk = qg.shape
     k, nk, dv = index.draft_mask.shape[1], index.draft_mask.shape[2], v_cache.shape[2]
-    flat = index.draft_slots.reshape(-1)
-    kd = dequantize(k_cache.index_select(0, flat), torch.float32, k_scale).view(bs, nk, hkv, dqk).transpose(1, 2)
+    slots = index.draft_slots
+
+    def gather(cache, d):  # -> [bs, Hkv, nk, d]; on CPU through ATen's row copy (``gather_heads_float`` says why)
+        if cache.device.type == "cpu":
+            return gather_heads_float(cache, slots)
+        return cache.index_select(0, slots.reshape(-1)).view(bs, nk, hkv, d).transpose(1, 2)
+
+    kd = dequantize(gather(k_cache, dqk), torch.float32, k_scale)
     if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):
         vd = kd[..., :dv]
     else:
-        vd = dequantize(v_cache.index_select(0, flat), torch.float32, v_scale).view(bs, nk, hkv, dv).transpose(1, 2)
-    s = torch.matmul(qg.float() * scale, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
+        vd = dequantize(gather(v_cache, dv), torch.float32, v_scale)
+    s = torch.matmul(qg.float() * scale if qs is None else qs, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
     # query row (i, g) of the grouped layout takes mask row i
     mask = index.draft_mask[:, None, :, None, :].expand(bs, 1, k, rows // k, nk).reshape(bs, 1, rows, nk)
     m, p = _masked_softmax_parts(s, mask, logit_cap)
