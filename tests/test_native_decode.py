@@ -218,23 +218,29 @@ def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_s
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_slot_outside_the_cache_is_refused_not_read(page_size):
+@pytest.mark.parametrize("hq, bf16", [(4, False), (16, True)], ids=["vector", "tiles"])
+def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     """A table whose valid position names a slot past the cache (a corrupted req_to_token) is a ValueError naming
-    the cache's size, from both ops, and nothing outside the cache is read (the check is in the kernel)."""
-    from compiled_attn.native_decode import native_decode_blocks
+    the cache's size, from every op, and nothing outside the cache is read (the check is in the kernel): on the
+    vector path and (a bf16 query, 8 rows per KV head) the tile path where there is one."""
+    from compiled_attn.native_decode import native_decode_blocks, native_prefix_attention
 
-    b, index = _batch([40, 70], hq=4, hkv=2, d=64, page_size=page_size, block_size=16)
-    qs = scaled_queries(b.q, 2, 0.125)
+    b, index = _batch([40, 70], hq=hq, hkv=2, d=64, page_size=page_size, block_size=16, kv_dtype=torch.bfloat16)
+    q_scale = 0.125 if bf16 else 0.0
+    qs = scaled_queries(b.q.bfloat16() if bf16 else b.q, 2, 0.125)
     n = int((index.block_req < 2).sum())
     runs = index.runs.clone()
     runs[1, 0] = b.k_cache.shape[0] // index.unit + 1000  # its first position is valid
     assert index.valid[1, 0]
     with pytest.raises(ValueError, match=f"num_slots {b.k_cache.shape[0]}"):
         native_block_partials(qs, index.block_req[:n], runs[:n], index.valid[:n], index.unit, b.k_cache,
-                              b.v_cache, 1.0, 1.0, 0.0)
+                              b.v_cache, 1.0, 1.0, 0.0, q_scale)
     with pytest.raises(ValueError, match="outside the cache"):
         native_decode_blocks(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
-                             0.0, 2, None)
+                             0.0, 2, None, q_scale)
+    with pytest.raises(ValueError, match="outside the cache"):
+        native_prefix_attention(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
+                                0.0, 2, q_scale)
 
 
 tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
