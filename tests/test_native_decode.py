@@ -257,8 +257,8 @@ def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
     taken back to bf16 from the scaled float32 one), so m and the sum match float64 at float32 tolerance; the V sum
     rounds each softmax weight to bf16, so o is within 2^-9 of the weights' mass times the largest |V|, and not
     equal to the vector path's (float32 weights): the tiles did run. Scales, a soft-cap, NaN in unread slots,
-    chunks staged (page size 1, a block's end) and read in place (16 consecutive slots), head sizes whose V sums
-    fill four, two or six accumulator tiles."""
+    chunks staged (page size 1, a block's end) and read in place (16 consecutive slots), and head sizes whose V
+    sums leave a group of four accumulator tiles partly used (96: 4 + 2 tiles, 32: 2)."""
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
