@@ -264,7 +264,7 @@ def decode_blocks(
                                        bs, sinks_by_kv_head(sinks, hkv, hq), bf16_query_scale(q, k_cache, scale))
             return out.reshape(bs, hq, dv).to(q.dtype)
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
-                                                    v_scale, native)
+                                                    v_scale)
         out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
         return out.reshape(bs, hq, dv).to(q.dtype)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)

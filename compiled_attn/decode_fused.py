@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_dtype import dequantize, scale_pair
-from .native_decode import bf16_query_scale, native_block_partials
+from .kv_dtype import dequantize
 from .opaque import opaque_op
 
 
@@ -75,20 +74,15 @@ def choose_fused(fused: bool | None, cpu_flash: bool | None, q: torch.Tensor, v_
 
 def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, logit_cap: float | None, k_scale: float | None,
-                        v_scale: float | None, native: bool
+                        v_scale: float | None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fused_block_partials`` over the used blocks of ``index`` (a ``decode.DecodeIndex``; a bucket's unused
-    blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``. Computed by
-    the C++ kernel (``native_decode``) when ``native`` (the caller checked ``native_fits``), else traced.
+    blocks are not computed at all): q [bs, R, D], each block's R rows grouped ``[Hkv, R // Hkv]``. (Where the C++
+    kernel serves a call, decode and verify use its merged ops instead.)
     -> (block_req [n], m, lsum [n, Hkv, R // Hkv], o [n, Hkv, R // Hkv, Dv]): ``decode.merge_blocks``' inputs."""
     n = used_prefix(index.block_req, q.shape[0])
     block_req = index.block_req[:n]  # used blocks only: every entry a row of q
     qs = scaled_queries(q, num_kv_heads, scale)
-    if native:
-        m, lsum, o = native_block_partials(qs, block_req, index.runs[:n], index.valid[:n], index.unit, k_cache,
-                                           v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0,
-                                           bf16_query_scale(q, k_cache, scale))
-        return block_req, m, lsum, o
     # each block's queries read through block_req inside the kernel's loads, from one small stored buffer, not a
     # per-block copy of them (nblk x the queries' bytes, written and read again)
     m, lsum, o = fused_block_partials(qs[block_req], k_cache, v_cache, index.runs[:n], index.valid[:n], index.unit,

@@ -216,6 +216,22 @@ def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cac
     return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
 
 
+def _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, sinks,
+            q_bf16_scale, lse=None) -> torch.Tensor:
+    """The merged form's call: each row's output [num_rows, Hkv, G, Dv] float32 (zeros for a row with no key), and
+    with ``lse`` ([num_rows, Hkv, G]) each row's log-sum-exp written there (-inf for a row with no key)."""
+    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+    if block_req.shape[0] == 0:  # the kernel is not called: nothing to merge
+        if lse is not None:
+            lse.fill_(-torch.inf)
+        return out.zero_()
+    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
+         out, q_bf16_scale, lse)
+    return out
+
+
 @opaque_op
 def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
@@ -229,15 +245,9 @@ def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.
     Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
     outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
     merged straight from the kernel's scratch, and a step makes one op call instead of four."""
-    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
-    if block_req.shape[0] == 0:
-        return out.zero_()
-    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
     sinks = None if sinks is None else sinks.float().contiguous()
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
-         out, q_bf16_scale)
-    return out
+    return _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, sinks,
+                   q_bf16_scale)
 
 
 @opaque_op
@@ -249,14 +259,9 @@ def native_prefix_attention(qs: torch.Tensor, block_req: torch.Tensor, runs: tor
     part of the softmax to it (verify's draft block: ``verify._merge_two``) without the blocks' partials.
     -> out [num_rows, Hkv, G, Dv] float32 normalised (zeros for a row with no key), lse [num_rows, Hkv, G] float32
     (the log of each row's softmax denominator, -inf for a row with no key)."""
-    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
     lse = qs.new_empty((num_rows, *qs.shape[1:3]))
-    if block_req.shape[0] == 0:
-        return out.zero_(), lse.fill_(-torch.inf)
-    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, None,
-         out, q_bf16_scale, lse)
+    out = _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, None,
+                  q_bf16_scale, lse)
     return out, lse
 
 

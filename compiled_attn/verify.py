@@ -286,7 +286,7 @@ def verify_blocks(
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
-    in_kernel = fused and native and not cpu_flash
+    in_kernel = fused and native  # (fused excludes cpu_flash)
     qs = scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale) if in_kernel else None  # [bs, Hkv, rows, D]
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale, qs)
     if cpu_flash:
@@ -301,7 +301,7 @@ def verify_blocks(
     else:
         if fused:
             block_req, m, lsum, o = used_block_partials(qg.reshape(bs, -1, qg.shape[3]), index.prefix, hkv, scale,
-                                                        k_cache, v_cache, logit_cap, k_scale, v_scale, native)
+                                                        k_cache, v_cache, logit_cap, k_scale, v_scale)
         else:
             block_req = index.prefix.block_req
             m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
