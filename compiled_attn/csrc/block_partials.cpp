@@ -102,7 +102,10 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
     for (int64_t h = 0; h < hkv; ++h) {
       // the K and V lines of position p + kPrefetch, head by head: spread over the heads' work, not issued as one
       // burst of a whole row (a burst fills the line-fill buffers and stalls the arithmetic behind it)
-      if (ahead) prefetch_head(kc + ps * pr.k_row + h * pr.k_head, vc + ps * pr.v_row + h * pr.v_head, D, Dv);
+      if (ahead) {  // K for the next read, V kept a little longer (read after the block's softmax)
+        prefetch_lines(kc + ps * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+        prefetch_lines<2>(vc + ps * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
+      }
       const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
       float* sp = s + h * G * Bp + p;
       if constexpr (PAIRS) {
@@ -255,7 +258,7 @@ static int run_blocks(const Problem& pr) {
     if (tiles) {
       ts.start(pr, Bp);
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < nrows; ++r) pack_queries(pr, r, r + 1, qt.data());
+      for (int64_t r = 0; r < nrows; ++r) pack_queries(pr, r, qt.data());
     }
 #pragma omp for schedule(dynamic, pr.out ? 1 : 2)
     for (int64_t it = 0; it < items; ++it) {
@@ -270,29 +273,28 @@ static int run_blocks(const Problem& pr) {
         int64_t* next_slot = j + 1 < j1 ? slots.data() + (cur ^ 1) * B : nullptr;
         uint8_t* next_keep = keeps.data() + (cur ^ 1) * B;
         if (next_slot) fill(block_at(j + 1), next_slot, next_keep);
-        // the item's first block writes its partial in place, the others beside it and are folded in
-        float* mo = j == j0 ? pr.m + b0 * R : bm.data();
-        float* lo = j == j0 ? pr.l + b0 * R : bl.data();
-        float* oo = j == j0 ? pr.o + b0 * R * Dv : bo.data();
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
           tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, s.data(), Bp, ts, pr.m + b0 * R,
                         pr.l + b0 * R, pr.o + b0 * R * Dv, next_slot, next_keep, j == j0, j + 1 == j1);
           continue;
-        } else {
-          const float* q = pr.qs + pr.block_req[b] * R * D;
-#if defined(__AVX512BF16__)
-          if (pairs) {
-            to_bf16_rows(q, 1.0f / pr.q_bf16_scale, R * D, qb.data());
-            vector_scores<L, DV ? DV : 2, true>(pr, slot, keep, qb.data(), s.data(), Bp);
-          }
-#endif
-          if (!pairs) {
-            for (int64_t i = 0; i < R * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
-            vector_scores<L, DV, false>(pr, slot, keep, qv.data(), s.data(), Bp);
-          }
-          softmax_rows(s.data(), keep, B, Bp, R, pr.cap, mo, lo);
-          vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);
         }
+        // the item's first block writes its partial in place, the others beside it and are folded in
+        float* mo = j == j0 ? pr.m + b0 * R : bm.data();
+        float* lo = j == j0 ? pr.l + b0 * R : bl.data();
+        float* oo = j == j0 ? pr.o + b0 * R * Dv : bo.data();
+        const float* q = pr.qs + pr.block_req[b] * R * D;
+#if defined(__AVX512BF16__)
+        if (pairs) {
+          to_bf16_rows(q, 1.0f / pr.q_bf16_scale, R * D, qb.data());
+          vector_scores<L, DV ? DV : 2, true>(pr, slot, keep, qb.data(), s.data(), Bp);
+        }
+#endif
+        if (!pairs) {
+          for (int64_t i = 0; i < R * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
+          vector_scores<L, DV, false>(pr, slot, keep, qv.data(), s.data(), Bp);
+        }
+        softmax_rows(s.data(), keep, B, Bp, R, pr.cap, mo, lo);
+        vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);
         if (j != j0) fold_partials(R, Dv, pr.m + b0 * R, pr.l + b0 * R, pr.o + b0 * R * Dv, mo, lo, oo);
       }
     }
@@ -343,4 +345,4 @@ extern "C" int ca_block_partials(int kind, const float* qs, const int64_t* block
 }
 
 // 1 when this build has the tile path and the OS lets this process use the tile registers (tile_blocks.h).
-extern "C" int ca_tiles_available() { return tiles_built() ? 1 : 0; }
+extern "C" int ca_tiles_available() { return tiles_permitted() ? 1 : 0; }

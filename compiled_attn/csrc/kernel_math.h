@@ -189,21 +189,11 @@ struct Problem {
 
 constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
 
-// Prefetches the K and V lines of one head of one slot, D and Dv elements (K for the next read, V kept a little
-// longer: it is read after the block's softmax).
 // Prefetches the lines of `bytes` bytes at p (locality 3: into L1; 2: into L2).
 template <int locality = 3>
 static inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* a = static_cast<const char*>(p);
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(a + c, 0, locality);
-}
-
-template <class T>
-static inline void prefetch_head(const T* k, const T* v, int64_t D, int64_t Dv) {
-  const char* ka = reinterpret_cast<const char*>(k);
-  for (int64_t c = 0; c < D * (int64_t)sizeof(T); c += 64) __builtin_prefetch(ka + c);
-  const char* va = reinterpret_cast<const char*>(v);
-  for (int64_t c = 0; c < Dv * (int64_t)sizeof(T); c += 64) __builtin_prefetch(va + c, 0, 2);
 }
 
 // The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding): the soft-cap on valid

@@ -49,13 +49,6 @@ static bool tiles_fit(const Problem& pr) {
          (pr.G <= 16 || pr.G % 16 == 0) && tiles_permitted();
 }
 
-static bool tiles_built() { return tiles_permitted(); }
-
-static inline uint16_t to_bf16(float x) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // GCC 12's intrinsics tell the compiler that ldtilecfg reads 8 bytes of its 64 and that tileloadd reads no memory
 // at all, so stores to the configuration or to a staged buffer could be dropped or moved past them: the two as
@@ -101,26 +94,25 @@ struct TileScratch {
   void finish() { _tile_release(); }
 };
 
-// The queries of rows [r0, r1) as bf16 B tiles, qt [rows, hkv, groups, D / 32, 16, gt, 2]: the scaled float32
+// The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the scaled float32
 // queries divided by the scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
 // chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1.
-static void pack_queries(const Problem& pr, int64_t r0, int64_t r1, uint16_t* qt) {
+static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
   const int64_t D = pr.D, G = pr.G, gt = std::min<int64_t>(G, 16), groups = G / gt, chunks = D / 32;
   const __m512 unscale = _mm512_set1_ps(1.0f / pr.q_bf16_scale);
-  for (int64_t row = r0; row < r1; ++row)
-    for (int64_t h = 0; h < pr.hkv; ++h)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qr = pr.qs + ((row * pr.hkv + h) * G + g) * D;
-        const int64_t t = g / gt, n = g % gt;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), unscale),
-                                                 _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), unscale));
-          uint32_t pairs[16];
-          std::memcpy(pairs, &x, 64);
-          uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt + n;
-          for (int k2 = 0; k2 < 16; ++k2) dst[k2 * gt] = pairs[k2];
-        }
+  for (int64_t h = 0; h < pr.hkv; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = pr.qs + ((row * pr.hkv + h) * G + g) * D;
+      const int64_t t = g / gt, n = g % gt;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), unscale),
+                                               _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), unscale));
+        uint32_t pairs[16];
+        std::memcpy(pairs, &x, 64);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt + n;
+        for (int k2 = 0; k2 < 16; ++k2) dst[k2 * gt] = pairs[k2];
       }
+    }
 }
 
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
@@ -285,8 +277,8 @@ struct TileScratch {
 };
 template <class L>
 static bool tiles_fit(const Problem&) { return false; }
-static bool tiles_built() { return false; }
-static void pack_queries(const Problem&, int64_t, int64_t, uint16_t*) {}
+static bool tiles_permitted() { return false; }
+static void pack_queries(const Problem&, int64_t, uint16_t*) {}
 template <class L>
 static void tile_block(const Problem&, const uint16_t*, const int64_t*, const uint8_t*, float*, int64_t, TileScratch&, float*,
                        float*, float*, const int64_t*, const uint8_t*, bool, bool) {}
