@@ -5,6 +5,7 @@ other instruction sets (the portable half-precision path); the off switch and a 
 traced form."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -262,12 +263,31 @@ def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
+    _check_tile_path(b, index, hkv, d ** -0.5, ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)))
+
+
+@tiles_only
+@pytest.mark.parametrize("page_size, hq", [(1, 32), (16, 16), (16, 64)])
+def test_tile_path_skips_invalid_positions_anywhere_in_a_block(page_size, hq):
+    """Valid positions need not open a block (a window's first block starts late) nor be contiguous: the tile
+    path skips 32-position chunks with no valid position before, between and after valid ones, drops the rest
+    position by position, and a block with none gives the lowest float32, 0 and zeros; as above against float64."""
+    b, index = _batch([300, 97, 130], hq=hq, hkv=2, d=64, page_size=page_size, block_size=128,
+                      kv_dtype=torch.bfloat16, seed=3)
+    holes = torch.rand(index.valid.shape, generator=torch.Generator().manual_seed(0)) < 0.3
+    holes[:, :32] = holes[:, 64:96] = True  # dead chunks before and between live ones
+    holes[1] = True  # a block with no valid position
+    index = dataclasses.replace(index, valid=index.valid & ~holes)
+    _check_tile_path(b, index, 2, 0.125, ((1.0, 1.0, 0.0), (0.5, 2.0, 3.0)))
+
+
+def _check_tile_path(b, index, hkv, scale, scales_and_caps):
+    """The tile path's partials (a bf16 query) against float64, and different from the vector path's."""
     b.q = b.q.bfloat16()
-    scale = d ** -0.5
     qs = scaled_queries(b.q, hkv, scale)
-    n = int((index.block_req < len(lens)).sum())
+    n = int((index.block_req < b.q.shape[0]).sum())
     args = (qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache, b.v_cache)
-    for k_scale, v_scale, cap in ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)):
+    for k_scale, v_scale, cap in scales_and_caps:
         m, lsum, o = native_block_partials(*args, k_scale, v_scale, cap, scale)
         rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
         torch.testing.assert_close(m.double(), rm, atol=1e-5, rtol=1e-5)

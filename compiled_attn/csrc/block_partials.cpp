@@ -274,7 +274,7 @@ static int run_blocks(const Problem& pr) {
         uint8_t* next_keep = keeps.data() + (cur ^ 1) * B;
         if (next_slot) fill(block_at(j + 1), next_slot, next_keep);
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
-          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, s.data(), Bp, ts, pr.m + b0 * R,
+          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, pr.m + b0 * R,
                         pr.l + b0 * R, pr.o + b0 * R * Dv, next_slot, next_keep, j == j0, j + 1 == j1);
           continue;
         }

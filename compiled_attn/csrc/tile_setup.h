@@ -1,0 +1,117 @@
+// The tile path's setup (tile_blocks.h has the path itself): whether it may run, its tile configurations and
+// per-thread buffers, and the queries packed as tiles.
+#pragma once
+#include "kernel_math.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux gives a process the tile registers' state only when it asks (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// a kernel that refuses leaves the vector path.
+static bool tiles_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Whether the tile path serves a call (below 8 query rows per KV head the vector path is as fast).
+template <class L>
+static bool tiles_fit(const Problem& pr) {
+  return Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && pr.D % 32 == 0 && pr.Dv % 32 == 0 && pr.G >= 8 &&
+         (pr.G <= 16 || pr.G % 16 == 0) && tiles_permitted();
+}
+
+// GCC 12's intrinsics tell the compiler that ldtilecfg reads 8 bytes of its 64 and that tileloadd reads no memory
+// at all, so stores to the configuration or to a staged buffer could be dropped or moved past them: the two as
+// asm statements that name the whole configuration and clobber memory.
+#define TILE_LOAD(tile, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"((const void*)(base)), "r"((long)(stride)) : "memory")
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+constexpr int64_t kVSpan = 128;  // positions of V staged at a time (its pairs stay in L1 for the products)
+
+// One thread's buffers and tile configurations (gt: query rows per tile, T = G / gt groups per head). The scores
+// are kept as the tiles give them, position-major: per score block (one group's rows, or two groups' when gt = 8)
+// and position, 16 float32 lanes, one per query row; the softmax runs down the positions with whole-vector
+// arithmetic (no per-row reductions), and only the bf16 weights are transposed into rows for the V products.
+struct TileScratch {
+  int64_t gt = 0, groups = 0, lanes = 0, per = 0, nsb = 0;  // lanes per group in a score block, groups per block
+  std::vector<uint16_t> kt;   // [hkv, 32, D] one 32-position chunk's key rows, where staged
+  std::vector<uint16_t> vt;   // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
+  std::vector<uint16_t> pt;   // [R, Bp] the block's softmax weights, bf16
+  std::vector<float> st;      // [nsb, Bp, 16] the block's scores, raw products (the scale applied in the exp)
+  std::vector<float> m, l, alpha;  // [nsb, 16] per lane the running max (raw), sum, and the block's rescale
+  std::vector<float> acc;     // [R, Dv] the running weighted V sums (columns in tile order)
+  std::vector<uint8_t> live;  // [Bp / 32] whether a 32-position chunk holds a valid position
+  TileConfig scores{}, sums{};
+
+  void start(const Problem& pr, int64_t Bp) {
+    gt = std::min<int64_t>(pr.G, 16);
+    groups = pr.G / gt;
+    lanes = gt <= 8 ? 8 : 16;
+    per = 16 / lanes;
+    nsb = (pr.hkv * groups + per - 1) / per;
+    const int64_t R = pr.hkv * pr.G;
+    kt.resize(pr.hkv * 32 * pr.D);
+    vt.resize(std::min<int64_t>(Bp, kVSpan) * pr.Dv);
+    pt.resize(R * Bp);
+    st.assign(nsb * Bp * 16, 0.0f);  // lanes no group writes stay finite
+    m.resize(nsb * 16), l.resize(nsb * 16), alpha.resize(nsb * 16), acc.resize(R * pr.Dv), live.resize(Bp / 32);
+    scores.palette = sums.palette = 1;
+    // scores: four S^T accumulators (16 positions x gt rows, float32), two K tiles (16 positions x 32 bf16), two
+    // Q^T tiles (16 column pairs x gt rows): four independent products in flight, not one chain
+    for (int i : {0, 3, 4, 5, 2, 7}) scores.rows[i] = 16, scores.colsb[i] = (uint16_t)(4 * gt);
+    for (int i : {1, 6}) scores.rows[i] = 16, scores.colsb[i] = 64;
+    // V sums: V (16 position pairs x 16 columns) in tile 1, O in tiles 3-6 (gt rows x 16 float32 columns), P in 7
+    // (gt rows x 32 positions, bf16)
+    sums.rows[1] = 16, sums.colsb[1] = 64;
+    for (int i = 3; i < 8; ++i) sums.rows[i] = (uint8_t)gt, sums.colsb[i] = 64;
+  }
+  static void load(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
+  void finish() { _tile_release(); }
+  // the query row of a score block's lane (-1: no row)
+  int64_t row_of(int64_t sb, int64_t lane, int64_t hkv) const {
+    const int64_t gi = sb * per + lane / lanes, n = lane % lanes;
+    return gi < hkv * groups && n < gt ? gi * gt + n : -1;
+  }
+};
+
+// The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the scaled float32
+// queries divided by the scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
+// chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1.
+static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
+  const int64_t D = pr.D, G = pr.G, gt = std::min<int64_t>(G, 16), groups = G / gt, chunks = D / 32;
+  const __m512 unscale = _mm512_set1_ps(1.0f / pr.q_bf16_scale);
+  for (int64_t h = 0; h < pr.hkv; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = pr.qs + ((row * pr.hkv + h) * G + g) * D;
+      const int64_t t = g / gt, n = g % gt;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), unscale),
+                                               _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), unscale));
+        uint32_t pairs[16];
+        std::memcpy(pairs, &x, 64);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt + n;
+        for (int k2 = 0; k2 < 16; ++k2) dst[k2 * gt] = pairs[k2];
+      }
+    }
+}
+
+#else  // no tile unit in this build: the vector path serves every call
+
+struct TileScratch {
+  void start(const Problem&, int64_t) {}
+  void finish() {}
+};
+template <class L>
+static bool tiles_fit(const Problem&) { return false; }
+static bool tiles_permitted() { return false; }
+static void pack_queries(const Problem&, int64_t, uint16_t*) {}
+
+#endif
