@@ -41,7 +41,7 @@ CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64, _F32, _PTR]
+             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64]
 
 
 def cache_dir() -> Path:
@@ -162,18 +162,20 @@ def native_available() -> bool:
 
 
 def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
-         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, lse=None) -> None:
+         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None) -> None:
     """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors."""
     n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
-    if n == 0:
+    if n == 0 and draft_slots is None:
         return
+    nd, tokens = (0, 0) if draft_slots is None else (draft_slots.shape[1], draft_mask.shape[1])
     rc = library().ca_block_partials(
         KINDS[k_cache.dtype], qs.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
         m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
         None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
-        min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if lse is None else lse.data_ptr())
+        min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if draft_slots is None else draft_slots.data_ptr(),
+        None if draft_mask is None else draft_mask.data_ptr(), nd, tokens)
     if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
         raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
                          f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
@@ -216,62 +218,55 @@ def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cac
     return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
 
 
-def _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, sinks,
-            q_bf16_scale, lse=None) -> torch.Tensor:
-    """The merged form's call: each row's output [num_rows, Hkv, G, Dv] float32 (zeros for a row with no key), and
-    with ``lse`` ([num_rows, Hkv, G]) each row's log-sum-exp written there (-inf for a row with no key)."""
-    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
-    if block_req.shape[0] == 0:  # the kernel is not called: nothing to merge
-        if lse is not None:
-            lse.fill_(-torch.inf)
-        return out.zero_()
-    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
-         out, q_bf16_scale, lse)
-    return out
+def _check_draft(qs, num_rows, draft_slots, draft_mask):
+    """The draft keys' tensors as the kernel reads them (contiguous; the mask as bytes), or ValueError."""
+    if draft_slots is None and draft_mask is None:
+        return None, None
+    if draft_slots is None or draft_mask is None:
+        raise ValueError("draft_slots and draft_mask go together")
+    if draft_slots.dtype != torch.int64 or draft_slots.dim() != 2 or draft_slots.shape[0] < num_rows:
+        raise ValueError(f"draft_slots must be int64 [>= num_rows={num_rows}, nd], got {draft_slots.dtype} "
+                         f"{tuple(draft_slots.shape)}")
+    nd, g = draft_slots.shape[1], qs.shape[2]
+    if (draft_mask.dim() != 3 or draft_mask.shape[0] < num_rows or draft_mask.shape[2] != nd or draft_mask.shape[1] < 1
+            or g % draft_mask.shape[1]):
+        raise ValueError(f"draft_mask must be [>= num_rows={num_rows}, tokens dividing G={g}, nd={nd}], got "
+                         f"{tuple(draft_mask.shape)}")
+    return draft_slots.contiguous(), draft_mask.to(torch.bool).contiguous()
 
 
 @opaque_op
 def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
                          logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
-                         q_bf16_scale: float = 0.0) -> torch.Tensor:
+                         q_bf16_scale: float = 0.0, draft_slots: torch.Tensor | None = None,
+                         draft_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The whole decode by the C++ kernel: ``native_block_partials`` over the blocks whose ``block_req`` is below
     ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of them,
     in one call. Arguments as ``native_block_partials``; sinks: [Hkv, G] float32 logits or None.
-    -> [num_rows, Hkv, G, Dv] float32 (zeros for a row with no block).
+    Verify's draft block joins each row's merge: draft_slots [>= num_rows, nd] int64, the KV slots of a row's nd
+    keys beyond its blocks (its draft tokens', after a window's edge keys), draft_mask [>= num_rows, tokens, nd]
+    bool, which of them each of its ``tokens`` query tokens sees (query row i of a KV head is token
+    i // (G // tokens)).
+    -> [num_rows, Hkv, G, Dv] float32 (zeros for a row with no key).
 
     Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
     outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
-    merged straight from the kernel's scratch, and a step makes one op call instead of four."""
+    merged straight from the kernel's scratch, and a step makes one op call instead of four. The same for verify's
+    draft block (gathers of the draft keys, two batched matmuls and the join: 2-4 ms of a bs-32 step)."""
     sinks = None if sinks is None else sinks.float().contiguous()
-    return _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, sinks,
-                   q_bf16_scale)
-
-
-@opaque_op
-def native_prefix_attention(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
-                            unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
-                            logit_cap: float, num_rows: int, q_bf16_scale: float = 0.0
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``native_decode_blocks`` (no sinks) that also returns each row's log-sum-exp, so a caller can join another
-    part of the softmax to it (verify's draft block: ``verify._merge_two``) without the blocks' partials.
-    -> out [num_rows, Hkv, G, Dv] float32 normalised (zeros for a row with no key), lse [num_rows, Hkv, G] float32
-    (the log of each row's softmax denominator, -inf for a row with no key)."""
-    lse = qs.new_empty((num_rows, *qs.shape[1:3]))
-    out = _merged(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, num_rows, None,
-                  q_bf16_scale, lse)
-    return out, lse
-
-
-@torch.library.register_fake(native_prefix_attention)
-def _native_prefix_attention_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                                  num_rows, q_bf16_scale=0.0):
-    return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2])), qs.new_empty((num_rows, *qs.shape[1:3]))
+    draft_slots, draft_mask = _check_draft(qs, num_rows, draft_slots, draft_mask)
+    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+    if block_req.shape[0] == 0 and draft_slots is None:  # the kernel is not called: nothing to merge
+        return out.zero_()
+    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
+         out, q_bf16_scale, draft_slots, draft_mask)
+    return out
 
 
 @torch.library.register_fake(native_decode_blocks)
 def _native_decode_blocks_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                               num_rows, sinks=None, q_bf16_scale=0.0):
+                               num_rows, sinks=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None):
     return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))

@@ -14,13 +14,13 @@ prefix blocks and the draft block are merged with the log-sum-exp rule (``decode
 Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
 heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile path serves), one head size
 and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
-C++ kernel (``native_decode``; the prefix merged inside it, its log-sum-exp joined to the draft block's) eagerly
-and compiled, or by the traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
+C++ kernel (``native_decode``: the draft block too, both merged in the one call) eagerly and compiled, or by the
+traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
 loops lost to the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads
 each request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are
 (no per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA,
-MLA's 576/512, soft-capped models) a matmul form over the blocks. The draft block is always a small matmul (``k``
-keys).
+MLA's 576/512, soft-capped models) a matmul form over the blocks. Outside the kernel the draft block is a small
+matmul (``k`` keys).
 Everything after ``plan_verify`` is tensor code with static shapes per (batch capacity, ``k``, block capacity): no
 ``.item()``; the CPU forms' ops read their indices on the host (CPU tensors, never a device sync).
 
@@ -53,7 +53,7 @@ from .decode import (
 from .decode_fused import choose_fused, gather_heads_float, scaled_queries, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_fits, native_prefix_attention, tiles_serve
+from .native_decode import bf16_query_scale, native_decode_blocks, native_fits, tiles_serve
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
@@ -286,17 +286,16 @@ def verify_blocks(
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
-    in_kernel = fused and native  # (fused excludes cpu_flash)
-    qs = scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale) if in_kernel else None  # [bs, Hkv, rows, D]
-    dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale, qs)
+    if fused and native:  # the prefix blocks and the draft block, merged, in one call of the kernel
+        p = index.prefix
+        out = native_decode_blocks(scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale), p.block_req, p.runs,
+                                   p.valid, p.unit, k_cache, v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0,
+                                   bs, row_sinks, bf16_query_scale(q, k_cache, scale), index.draft_slots,
+                                   index.draft_mask)
+        return _token_major(out, k, q.dtype)
+    dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
-        out = _merge_two(o, lse, do, dm, dl, row_sinks)
-    elif in_kernel:  # the prefix merged in the kernel (its log-sum-exp out beside it), the draft block joined
-        p = index.prefix
-        o, lse = native_prefix_attention(qs, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache,
-                                         *scale_pair(k_scale, v_scale), logit_cap or 0.0, bs,
-                                         bf16_query_scale(q, k_cache, scale))
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
         if fused:
@@ -309,7 +308,14 @@ def verify_blocks(
         rows = torch.arange(bs, device=q.device)
         out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
                            torch.cat([block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
-    return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
+    return _token_major(out, k, q.dtype)
+
+
+def _token_major(out: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[bs, Hkv, k * group, Dv] (a KV head's rows: token i's query heads at ``i * group ..``) -> [bs * k, Hq, Dv]
+    in ``dtype``."""
+    bs, hkv, rows, dv = out.shape
+    return out.view(bs, hkv, k, rows // k, dv).transpose(1, 2).reshape(bs * k, hkv * rows // k, dv).to(dtype)
 
 
 def _merge_two(o, lse, do, dm, dl, sinks=None):
@@ -361,13 +367,10 @@ def _masked_softmax_parts(s, valid, logit_cap):
     return m, torch.where(valid, torch.exp(s - m[..., None]), 0.0)
 
 
-def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale,
-                 qs=None):
+def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
     """Each request's ``k`` queries over its masked block (the ``k`` draft keys under the chain/tree mask, after a
     window's edge keys: a tiny matmul) -> (m, lsum, o) of shapes [bs, Hkv, k * group(, Dv)], o unnormalised,
-    float32. qs: ``qg`` scaled in float32 where the caller has it (``scaled_queries``' stored buffer: the matmul
-    reads it as it is, where a copy of qg converted, scaled and made contiguous cost the compiled step more than
-    the matmul)."""
+    float32. (Where the C++ kernel reads the prefix it computes this block too: ``native_decode_blocks``.)"""
     bs, hkv, rows, dqk = qg.shape
     k, nk, dv = index.draft_mask.shape[1], index.draft_mask.shape[2], v_cache.shape[2]
     slots = index.draft_slots
@@ -382,7 +385,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
         vd = kd[..., :dv]
     else:
         vd = dequantize(gather(v_cache, dv), torch.float32, v_scale)
-    s = torch.matmul(qg.float() * scale if qs is None else qs, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
+    s = torch.matmul(qg.float() * scale, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
     # query row (i, g) of the grouped layout takes mask row i
     mask = index.draft_mask[:, None, :, None, :].expand(bs, 1, k, rows // k, nk).reshape(bs, 1, rows, nk)
     m, p = _masked_softmax_parts(s, mask, logit_cap)

@@ -54,11 +54,11 @@ def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefi
     return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)
 
 
-def in_place_op(verify: bool = False):
-    """The op a compiled CPU decode's (or ``verify``'s) graph calls to read K/V in place: the C++ kernel's where it
-    is built (``native_decode``: the whole decode, or verify's merged prefix), else the traced form's stored block
-    table."""
+def in_place_op():
+    """The op a compiled CPU decode's (and verify's) graph calls to read K/V in place: the C++ kernel's where it
+    is built (``native_decode_blocks``: the whole decode, or verify's prefix and draft block), else the traced
+    form's stored block table."""
     from compiled_attn.native_decode import native_available
 
-    name = ("native_prefix_attention" if verify else "native_decode_blocks") if native_available() else "index_columns"
+    name = "native_decode_blocks" if native_available() else "index_columns"
     return getattr(torch.ops.compiled_attn, name).default

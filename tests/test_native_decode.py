@@ -224,7 +224,7 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     """A table whose valid position names a slot past the cache (a corrupted req_to_token) is a ValueError naming
     the cache's size, from every op, and nothing outside the cache is read (the check is in the kernel): on the
     vector path and (a bf16 query, 8 rows per KV head) the tile path where there is one."""
-    from compiled_attn.native_decode import native_decode_blocks, native_prefix_attention
+    from compiled_attn.native_decode import native_decode_blocks
 
     b, index = _batch([40, 70], hq=hq, hkv=2, d=64, page_size=page_size, block_size=16, kv_dtype=torch.bfloat16)
     q_scale = 0.125 if bf16 else 0.0
@@ -239,9 +239,14 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     with pytest.raises(ValueError, match="outside the cache"):
         native_decode_blocks(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
                              0.0, 2, None, q_scale)
+    # a draft key some token sees (verify's draft block, merged in the same op); one no token sees is never read
+    slots = torch.tensor([[3, b.k_cache.shape[0] + 7], [5, 6]])
+    shows = torch.tensor([[[True, False]], [[True, True]]])
+    draft = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2, None,
+             q_scale, slots)
+    native_decode_blocks(qs, *draft, shows)
     with pytest.raises(ValueError, match="outside the cache"):
-        native_prefix_attention(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
-                                0.0, 2, q_scale)
+        native_decode_blocks(qs, *draft, torch.ones_like(shows))
 
 
 tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
@@ -299,30 +304,47 @@ def _check_tile_path(b, index, hkv, scale, scales_and_caps):
         assert (vector - o).abs().max() > 1e-5
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("bf16", [False, True], ids=["vector", "tiles"])
-def test_prefix_attention_returns_the_normalised_output_and_its_lse(bf16):
-    """``native_prefix_attention`` (verify's merged prefix): each row's softmax over its keys, normalised, and
-    the log of its denominator, against float64; a row with no key gives zeros and -inf; a bucket's unused blocks
-    are skipped. With a bf16 query and 16 rows per KV head it takes the tile path where there is one."""
-    from compiled_attn.native_decode import native_prefix_attention
+def test_draft_keys_join_each_rows_merge(bf16, page_size):
+    """Verify's draft block in the merged op: each row's blocks and its draft keys (``draft_slots``), of which each
+    query token sees those ``draft_mask`` shows it (query row i of a KV head is token i // (G // tokens)), merged
+    into one softmax, against float64 with sinks and a soft-cap; a row with no block and no key it sees gives
+    zeros, a bucket's unused blocks are skipped. With a bf16 query and 16 rows per KV head its blocks take the tile
+    path where there is one (the draft keys are float32 arithmetic on every path)."""
+    from compiled_attn.native_decode import native_decode_blocks
 
-    b, index = _batch([40, 130, 3], hq=32, hkv=2, d=64, page_size=16, block_size=32, kv_dtype=torch.bfloat16)
+    lens, tokens, nd = [40, 130, 3], 4, 6
+    b, index = _batch(lens, hq=32, hkv=2, d=64, page_size=page_size, block_size=32, kv_dtype=torch.bfloat16)
     q = torch.cat([b.q, b.q[:1]])
     if bf16:
         q = q.bfloat16()
-    rows = 4  # one more row than requests: it owns no block
+    rows = 4  # one more row than requests: it owns no block and sees no draft key
     qs = scaled_queries(q, 2, 0.125)
+    g = torch.Generator().manual_seed(1)
     n = int((index.block_req < 3).sum())
     block_req = torch.cat([index.block_req[:n], torch.full((3,), rows)])
     runs = torch.cat([index.runs[:n], torch.full((3, index.runs.shape[1]), 10 ** 9)])  # never read
     valid = torch.cat([index.valid[:n], torch.ones(3, index.valid.shape[1], dtype=torch.bool)])
-    out, lse = native_prefix_attention(qs, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
-                                       rows, 0.125 if bf16 else 0.0)
-    assert (out[3] == 0).all() and (lse[3] == -torch.inf).all()
-    for r, length in enumerate([40, 130, 3]):
-        slots = b.req_to_token[b.rows[r], :length].long()
-        s = torch.einsum("hgd,nhd->hgn", qs[r].double(), b.k_cache[slots].double())
-        want = torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), b.v_cache[slots].double())
-        torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
-        tol = 4e-3 if bf16 else 1e-5
-        torch.testing.assert_close(out[r].double(), want, atol=tol, rtol=tol)
+    written = torch.cat([b.req_to_token[b.rows[r], :ln].long() for r, ln in enumerate(lens)])  # others hold NaN
+    slots = written[torch.randint(0, written.shape[0], (rows, nd), generator=g)]
+    shows = torch.rand(rows, tokens, nd, generator=g) < 0.6
+    shows[3] = False
+    sinks = torch.randn(2, 16, generator=g)
+    for cap, sink in ((0.0, None), (4.0, sinks)):
+        out = native_decode_blocks(qs, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, cap, rows,
+                                   sink, 0.125 if bf16 else 0.0, slots, shows)
+        assert (out[3] == 0).all()
+        for r, length in enumerate(lens):
+            keys = torch.cat([b.req_to_token[b.rows[r], :length].long(), slots[r]])
+            s = torch.einsum("hgd,nhd->hgn", qs[r].double(), b.k_cache[keys].double())
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            seen = torch.cat([torch.ones(tokens, length, dtype=torch.bool), shows[r]], 1)  # [tokens, keys]
+            s = s.masked_fill(~seen.repeat_interleave(16 // tokens, 0)[None], -torch.inf)
+            if sink is not None:
+                s = torch.cat([s, sink.double()[..., None]], -1)
+            p = torch.softmax(s, -1)[..., :keys.shape[0]]
+            want = torch.einsum("hgn,nhd->hgd", p, b.v_cache[keys].double())
+            tol = 4e-3 if bf16 else 1e-5
+            torch.testing.assert_close(out[r].double(), want, atol=tol, rtol=tol)

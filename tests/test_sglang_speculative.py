@@ -139,14 +139,14 @@ def test_mask_layout_follows_sglang():
 
 def test_target_verify_soft_cap_and_bf16(monkeypatch):
     """A soft-capped layer (float32), and a bf16 model: 16 query rows per KV head (4 drafts x 4 query heads per KV
-    head, head size 64), whose prefix the C++ kernel reads through its merged op (on its AMX tile path where the CPU
-    has one), checked by a spy; both against the float64 reference."""
+    head, head size 64), whose prefix and draft block the C++ kernel computes in its merged op (on its AMX tile path
+    where the CPU has one), checked by a spy; both against the float64 reference."""
     import compiled_attn.verify as verify_mod
     from compiled_attn.native_decode import native_available
 
     calls = []
-    real = verify_mod.native_prefix_attention
-    monkeypatch.setattr(verify_mod, "native_prefix_attention", lambda *a: calls.append(a) or real(*a))
+    real = verify_mod.native_decode_blocks
+    monkeypatch.setattr(verify_mod, "native_decode_blocks", lambda *a: calls.append(a) or real(*a))
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=13)
     masks, spec = _tree_spec(5)
@@ -160,9 +160,11 @@ def test_target_verify_soft_cap_and_bf16(monkeypatch):
     out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _reference(batch, masks), atol=3e-2, rtol=0)
-    if native_available():  # the queries grouped [bs, Hkv, K * group, D], marked bf16 (q_bf16_scale: tiles may run)
+    if native_available():  # the queries grouped [bs, Hkv, K * group, D], marked bf16 (q_bf16_scale: tiles may run),
+        # with the draft block's slots and mask
         assert calls and calls[-1][0].shape[1:3] == (g.num_kv_heads, K * g.num_heads // g.num_kv_heads)
-        assert calls[-1][-1] == pytest.approx(g.sm_scale)
+        assert calls[-1][12] == pytest.approx(g.sm_scale)
+        assert calls[-1][13].shape[1] == K and calls[-1][14].shape[1:] == (K, K)
 
 
 def test_target_verify_errors():

@@ -268,7 +268,7 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
     limit = NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS
     fused = k * 2 <= limit and (dtype == torch.float32 or native_available())
-    assert (in_place_op(verify=True) in targets) == fused
+    assert (in_place_op() in targets) == fused
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
@@ -278,7 +278,7 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
 def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(tree):
     """A bf16 query and cache, head size 64, k = 4 at 4 query heads per KV head: 16 query rows per KV head, above
     ``FUSED_MAX_ROWS``. Where the kernel's tile path serves them (``tiles_serve``: an AMX CPU) the compiled verify
-    reads its prefix in place through the kernel's merged op (``native_prefix_attention``), else through the flash
+    reads its prefix in place through the kernel's merged op (``native_decode_blocks``), else through the flash
     op; eagerly the same choice. Both match the float64 reference at bf16 tolerance."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -297,7 +297,7 @@ def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert (torch.ops.compiled_attn.native_prefix_attention.default in targets) == tiles
+    assert (torch.ops.compiled_attn.native_decode_blocks.default in targets) == tiles
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not tiles)
     eager = verify_blocks(b.q, b.k_cache, b.v_cache, build_verify_index(b.req_to_token, meta.inputs), 0.125)
     for o in (out, eager):

@@ -15,6 +15,7 @@
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
 #include "kernel_math.h"
+#include "row_merge.h"
 #include "tile_blocks.h"
 
 
@@ -49,33 +50,6 @@ static void weighted_v_any(int gn, int dn, const typename L::T* vb, const int64_
       storef(out + g * Dv + 16 * j, acc * v_mul);
     }
 }
-
-
-// out[r] = sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the sink, over
-// the partials b of row r (order[first[r] .. first[r + 1]]); zeros for a row with none. With pr.lse, also
-// lse[r] = M + log(that denominator) (-inf when it is 0).
-static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const int64_t* order) {
-  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv;
-  float* out = pr.out + r * R * Dv;
-  std::memset(out, 0, sizeof(float) * R * Dv);
-  for (int64_t i = 0; i < R; ++i) {
-    float mx = pr.sinks ? pr.sinks[i] : -INFINITY;
-    for (int64_t j = first[r]; j < first[r + 1]; ++j) mx = std::max(mx, pr.m[order[j] * R + i]);
-    float den = mx == -INFINITY ? 0.0f : pr.sinks ? std::exp(pr.sinks[i] - mx) : 0.0f;  // -inf: no block, no sink
-    float* o = out + i * Dv;
-    for (int64_t j = first[r]; j < first[r + 1] && mx != -INFINITY; ++j) {
-      const int64_t b = order[j];
-      const float w = std::exp(pr.m[b * R + i] - mx);
-      den += w * pr.l[b * R + i];
-      const float* ob = pr.o + (b * R + i) * Dv;
-      for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) + w * loadf(ob + d));
-    }
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
-    if (pr.lse) pr.lse[r * R + i] = den > 0.0f ? mx + std::log(den) : -INFINITY;
-  }
-}
-
 
 
 // Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
@@ -175,17 +149,6 @@ static void vector_weighted_v(const Problem& pr, const int64_t* slot, const uint
         else if (gn == 2 && dn == 4) weighted_v<L, 2, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
         else weighted_v_any<L>(gn, dn, vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
       }
-}
-
-// Folds one block's partials (bm, bl, bo) into a running one (m, l, o), per query row: the log-sum-exp rule.
-static void fold_partials(int64_t R, int64_t Dv, float* m, float* l, float* o, const float* bm, const float* bl,
-                          const float* bo) {
-  for (int64_t r = 0; r < R; ++r) {
-    const float mx = std::max(m[r], bm[r]), a = std::exp(m[r] - mx), c = std::exp(bm[r] - mx);
-    m[r] = mx;
-    l[r] = l[r] * a + bl[r] * c;
-    for (int64_t d = 0; d < Dv; d += 16) storef(o + r * Dv + d, loadf(o + r * Dv + d) * a + loadf(bo + r * Dv + d) * c);
-  }
 }
 
 // Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay
@@ -300,8 +263,16 @@ static int run_blocks(const Problem& pr) {
     }
     if (tiles) ts.finish();
     if (pr.out) {
+      const bool draft = pr.draft_slots != nullptr;
+      std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0);
+      DraftScratch ds;
+      if (draft) ds.start(pr);
 #pragma omp for schedule(dynamic, 4)
-      for (int64_t r = 0; r < pr.rows; ++r) merge_row(pr, r, row_items.data(), item_block.data());
+      for (int64_t r = 0; r < pr.rows; ++r) {
+        if (draft && !draft_partial<L>(pr, r, ds, dm.data(), dl.data(), dout.data()))
+          outside.store(1, std::memory_order_relaxed);
+        merge_row(pr, r, row_items.data(), item_block.data(), draft ? dm.data() : nullptr, dl.data(), dout.data());
+      }
     }
   }
   return outside.load();
@@ -318,20 +289,24 @@ static int run_head_size(const Problem& pr) {
 // kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. m, l, o: the blocks' partials (the
 // output, or the merged form's scratch); out: nullptr, or the merged form's [rows, hkv, G, Dv] (sinks may be
 // nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when qs is a bfloat16 query times this scale (the tile
-// path may take it, where the machine has one: tile_blocks.h), else 0; lse: with out, nullptr or [rows, hkv, G]
-// (each row's log-sum-exp). Returns
-// 0; 1 when a head size is not a multiple of 16, 2 for an unknown kind (the caller checks both before calling); 3
-// when a valid position's slot lay outside the caches (left out of the result, never read).
+// path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out, nullptr or [rows,
+// nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd] shows them to its
+// token i / (G / tokens) (verify's draft block: row_merge.h). Returns 0; 1 when a head size is not a multiple of
+// 16, 2 for an unknown kind (the caller checks both before calling); 3 when a valid position's (or a seen draft
+// key's) slot lay outside the caches (left out of the result, never read).
 extern "C" int ca_block_partials(int kind, const float* qs, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
                                  int64_t Dv, int64_t B, int64_t unit, float k_scale, float v_scale, float cap,
                                  float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
-                                 float* out, int64_t num_slots, float q_bf16_scale, float* lse) {
+                                 float* out, int64_t num_slots, float q_bf16_scale,
+                                 const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
+                                 int64_t tokens) {
   if (D % 16 || Dv % 16) return 1;
   const float f = kind == 3 ? 256.0f : 1.0f;
   Problem pr{qs, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head, n, hkv, G, D, Dv, B, unit, num_slots,
-             k_scale * f, v_scale * f, cap, m, l, o, threads, rows, sinks, out, q_bf16_scale, lse};
+             k_scale * f, v_scale * f, cap, m, l, o, threads, rows, sinks, out, q_bf16_scale,
+             draft_slots, draft_mask, nd, tokens};
   int outside = 0;
   switch (kind) {
     case 0: outside = run_head_size<F32>(pr); break;

@@ -184,7 +184,11 @@ struct Problem {
   float* out;
   // > 0: qs is a bfloat16 query times this scale, which the tile path (tile_blocks.h) takes back to bf16 exactly
   float q_bf16_scale;
-  float* lse;  // merged form: nullptr, or [rows, hkv * G], the log of each row's softmax denominator
+  // merged form, verify: nd more keys per row (draft_slots [rows, nd]), seen by query row i of a KV head where
+  // draft_mask [rows, tokens, nd] shows them to its token i / (G / tokens); nullptr: none
+  const int64_t* draft_slots;
+  const uint8_t* draft_mask;
+  int64_t nd, tokens;
 };
 
 constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
