@@ -24,9 +24,11 @@
 //   layout for the B operand), then per group of query rows and 64 columns, O [rows, 16 columns] += P [rows, 32
 //   positions] V_pairs in four accumulator tiles; the interleave permutes columns within each 32, undone when the
 //   item's sums are written out.
-// Prefetches: K a few positions ahead in the scores of an item's first block (the next blocks' K comes into L2
-// during the previous block's V phase), head 0's V beside it, and each next head's V while a head is staged (the
-// transfers spread over both phases rather than bursting in one: bursts left the tile products waiting on memory).
+// Prefetches: K a chunk ahead into L2 in the scores of an item's first block (the next blocks' K comes into L2
+// during the previous block's V phase), head 0's V beside it, each next head's V into L2 while a head is staged
+// and the staged head's rows a few positions ahead into L1 (the transfers spread over both phases rather than
+// bursting in one: bursts left the tile products waiting on memory; prefetches into L1 far ahead stalled on the
+// line-fill buffers or were evicted before use).
 #pragma once
 #include "tile_setup.h"
 
@@ -82,11 +84,13 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
       for (int p = 1; p < 16 && direct[half]; ++p) direct[half] = slot[a + p] == slot[a] + p;
     }
     for (int64_t p = 0; p < 32; ++p) {
-      const int64_t pos = c0 + p, ahead = pos + kPrefetch;
+      // an item's first block fetches its keys (and head 0's values) a chunk ahead into L2: lines into L1 a few
+      // positions ahead stalled on the line-fill buffers, 8-10% of a verify step
+      const int64_t pos = c0 + p, ahead = pos + 32;
       const bool ok = valid_at(pos), fetch = !k_fetched && valid_at(ahead);
-      if (valid_at(ahead)) prefetch_lines(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));  // head 0's V
+      if (valid_at(ahead)) prefetch_lines<2>(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));
       for (int64_t h = 0; h < hkv; ++h) {
-        if (fetch) prefetch_lines(kc + slot[ahead] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+        if (fetch) prefetch_lines<2>(kc + slot[ahead] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
         if (direct[p / 16]) continue;
         uint16_t* dst = ts.kt.data() + (h * 32 + p) * D;
         const T* src = ok ? kc + slot[pos] * pr.k_row + h * pr.k_head : nullptr;
@@ -222,9 +226,9 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           float* ar = ts.acc.data() + r * Dv;
           for (int64_t d = 0; d < Dv; d += 16) storef(ar + d, loadf(ar + d) * a);
         }
-    // weighted V, head by head: the head's V rows for the block staged as interleaved pairs (the next head's
-    // prefetched meanwhile, and the next block's keys into L2), then per group of query rows and 64 columns four
-    // accumulator tiles kept across the block's 32-position chunks
+    // weighted V, head by head and kVSpan positions at a time: the head's V rows staged as interleaved pairs (its
+    // rows a few positions ahead into L1; the next head's and the next block's keys into L2 meanwhile), then per
+    // group of query rows and 64 columns four accumulator tiles kept across the span's 32-position chunks
     TileScratch::load(ts.sums);
     for (int64_t h = 0; h < hkv; ++h)
       for (int64_t s0 = c_lo; s0 < c_hi; s0 += kVSpan) {
@@ -233,8 +237,10 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           const int64_t p0 = 2 * k2, p1 = p0 + 1;
           if (!ts.live[p0 / 32]) continue;
           for (int64_t p = p0; p <= p1; ++p) {
+            if (valid_at(p + 8))
+              prefetch_lines(vc + slot[p + 8] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
             if (h + 1 < hkv && valid_at(p))
-              prefetch_lines(vc + slot[p] * pr.v_row + (h + 1) * pr.v_head, Dv * (int64_t)sizeof(T));
+              prefetch_lines<2>(vc + slot[p] * pr.v_row + (h + 1) * pr.v_head, Dv * (int64_t)sizeof(T));
             if (next_slot && p < B && next_val[p])
               prefetch_lines<2>(kc + next_slot[p] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
           }
