@@ -10,7 +10,8 @@ registers, converts bf16/fp16/float8 there, prefetches the rows a few positions 
 the V sum vectorised. It computes exactly what ``fused_block_partials`` computes (its outputs feed the same
 ``merge_blocks``), which stays as the fallback and as the reference form in tests. On a CPU with AMX, a bf16 query
 with 8 or more query rows per KV head (GQA's groups times verify's draft tokens) runs as bf16 tile products
-(``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with the rows.
+(``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with the rows; without tiles, 16 rows or a
+multiple take outer products in float32 (``csrc/wide_blocks.h``, ``wide_serves``).
 
 Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into a cache folder (``COMPILED_ATTN_CACHE_DIR``,
 default ``~/.cache/compiled_attn``), keyed by the source, the compiler, the flags and the CPU's feature flags, so
@@ -153,6 +154,13 @@ def tiles_serve(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, r
     return (bf16_query_scale(q, k_cache, 1.0) > 0 and q.shape[-1] % 32 == 0 and v_cache.shape[-1] % 32 == 0
             and (8 <= rows_per_kv_head <= 16 or rows_per_kv_head % 16 == 0) and native_fits(q, k_cache, v_cache)
             and native_tiles_available())
+
+
+def wide_serves(rows_per_kv_head: int) -> bool:
+    """Whether the kernel's wide path (``csrc/wide_blocks.h``) serves ``rows_per_kv_head`` query rows per KV head
+    where the tile path does not (any cache dtype, float32 products): a multiple of 16, the rows of a vector. Its
+    time grows with the rows at the machine's FMA rate (outer products), not a dot product's."""
+    return rows_per_kv_head >= 16 and rows_per_kv_head % 16 == 0
 
 
 @torch.compiler.assume_constant_result

@@ -12,7 +12,7 @@ rows). The ``k`` draft keys form one extra tiny "draft block" per request, maske
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
 Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
-heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile path serves), one head size
+heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile or wide path serves), one head size
 and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
 C++ kernel (``native_decode``: the draft block too, both merged in the one call) eagerly and compiled, or by the
 traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
@@ -53,7 +53,7 @@ from .decode import (
 from .decode_fused import choose_fused, gather_heads_float, scaled_queries, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_decode_blocks, native_fits, tiles_serve
+from .native_decode import bf16_query_scale, native_decode_blocks, native_fits, tiles_serve, wide_serves
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
@@ -69,8 +69,9 @@ _LOWEST = torch.finfo(torch.float32).min
 FUSED_MAX_ROWS = 8
 #: the same limit for the C++ kernel's vector path, which scores the rows with less work per key than inductor's
 #: loops (bs 32, float32, 16 rows per KV head: 35-39 ms against the flash op's 56-84; at 32 rows within 10% of it
-#: either way). Where its tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU)
-#: there is no limit: its time grows little with the rows.
+#: either way). Where its tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU) or
+#: its wide path (``native_decode.wide_serves``: a multiple of 16 rows) there is no limit: the tiles' time grows
+#: little with the rows, the wide path's at the FMA rate (bs 32 float32, 32 rows: 33 ms against the flash op's 68).
 NATIVE_MAX_ROWS = 16
 
 
@@ -275,7 +276,7 @@ def verify_blocks(
     native = native is not False and native_fits(q, k_cache, v_cache) and index.prefix.single is None
     rows = k * hq // hkv
     rows_fit = ((rows <= (NATIVE_MAX_ROWS if native else FUSED_MAX_ROWS)
-                 or native and tiles_serve(q, k_cache, v_cache, rows))
+                 or native and (tiles_serve(q, k_cache, v_cache, rows) or wide_serves(rows)))
                 and (k_cache.dtype not in HALF_DTYPES or native))
     fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=rows_fit, native=native)
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)

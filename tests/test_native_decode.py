@@ -58,14 +58,17 @@ def _blocks_float64(qs, index, k_cache, v_cache, k_scale, v_scale, cap):
 
 @pytest.mark.parametrize("kv_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5),
                                            (torch.float8_e4m3fn, 1e-5), (torch.float8_e5m2, 1e-5)])
-@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 2, 64), (3, 3, 32), (16, 2, 80), (8, 1, 256)])
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 2, 64), (3, 3, 32), (16, 2, 80), (8, 1, 256),
+                                        (32, 2, 128), (64, 2, 64), (48, 1, 80)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
 @pytest.mark.parametrize("bf16_query", [False, True], ids=["f32q", "bf16q"])
 def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, bf16_query):
     """Per block and query row, the kernel's max, sum and weighted V equal a float64 computation over the same
     stored values (dequantised exactly: the tolerance is float32 arithmetic's, for every dtype), with scales and
     a soft-cap; NaN in unread slots never reaches them. A bf16 query with its scale (below 8 query rows per KV
-    head: the vector path, its scores by exact bf16 pair products where the CPU has AVX512-BF16) too."""
+    head: the vector path, its scores by exact bf16 pair products where the CPU has AVX512-BF16) too. 16, 32 and
+    48 rows per KV head with a float32 query take the wide path (``csrc/wide_blocks.h``: one and two groups of 16
+    rows per step, a head size of 80 leaving a partial block of V columns)."""
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
@@ -124,6 +127,16 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
             tol = 1e-5 if q_scale else 1e-6  # pairs summed in another order
             for w, g in zip(want, got, strict=True):
                 torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+        # 16 query rows per KV head, a float32 query: the wide path, in vector extensions without AVX-512 too
+        b, index = _batch([33, 70], hq=32, hkv=2, d=64, page_size=16, block_size=32, kv_dtype=kv_dtype)
+        args = (scaled_queries(b.q, 2, 0.1), index.block_req[:4], index.runs[:4], index.valid[:4], index.unit,
+                b.k_cache, b.v_cache, 0.5, 1.0, 0.0)
+        want = native_block_partials(*args)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native_decode, "library", lambda: lib)
+            got = native_block_partials(*args)
+        for w, g in zip(want, got, strict=True):  # a build without FMA rounds each product
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert lib.ca_tiles_available() == 0  # no AMX in these instruction sets: the vector path serves every call
 
 

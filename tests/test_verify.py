@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
-from compiled_attn.native_decode import native_available
+from compiled_attn.native_decode import native_available, wide_serves
 from compiled_attn.verify import (
     FUSED_MAX_ROWS,
     NATIVE_MAX_ROWS,
@@ -248,13 +248,14 @@ def test_compiles_once_per_bucket(form):
         q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25))
 
 
-@pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (9, torch.float32), (4, torch.bfloat16)])
+@pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (9, torch.float32), (16, torch.float32),
+                                      (4, torch.bfloat16)])
 def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
     """Under ``torch.compile`` on CPU the default prefix form reads a float32 cache in place (the C++ kernel's
     merged op, or ``index_columns`` without it; no flash op) up to ``NATIVE_MAX_ROWS`` query rows per KV head
-    through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), and the flash op above (k
-    = 9: 18 rows; head size 16: no tile path) or over a bf16 cache without the kernel. All match the float64
-    reference."""
+    through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), at a multiple of 16 rows
+    through the kernel's wide path (k = 16: 32 rows), and the flash op otherwise (k = 9: 18 rows; head size 16: no
+    tile path) or over a bf16 cache without the kernel. All match the float64 reference."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -267,7 +268,8 @@ def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
     limit = NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS
-    fused = k * 2 <= limit and (dtype == torch.float32 or native_available())
+    rows_fit = k * 2 <= limit or native_available() and wide_serves(k * 2)
+    fused = rows_fit and (dtype == torch.float32 or native_available())
     assert (in_place_op() in targets) == fused
     assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)

@@ -17,6 +17,7 @@
 #include "kernel_math.h"
 #include "row_merge.h"
 #include "tile_blocks.h"
+#include "wide_blocks.h"
 
 
 // out[g, :] = v_mul * sum_p w[g, p] * V[slot p, :] for GN query rows and DN x 16 columns, in registers.
@@ -188,10 +189,10 @@ static int run_blocks(const Problem& pr) {
     row_items[pr.rows] = (int64_t)item_start.size();
   }
   const int64_t items = pr.out ? (int64_t)item_start.size() : pr.n;
-  const bool tiles = tiles_fit<L>(pr);
+  const bool tiles = tiles_fit<L>(pr), wide = !tiles && wide_fit(pr);
   // a bf16 query's scores by bf16 pair dot products where the vector path serves it
 #if defined(__AVX512BF16__)
-  const bool pairs = !tiles && Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && DV && DV % 2 == 0 && G % 4 == 0;
+  const bool pairs = !tiles && !wide && Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && DV && DV % 2 == 0 && G % 4 == 0;
 #else
   const bool pairs = false;
 #endif
@@ -202,7 +203,8 @@ static int run_blocks(const Problem& pr) {
   std::atomic<int> outside{0};
 #pragma omp parallel num_threads(pr.threads)
   {
-    std::vector<float> s(R * Bp), qv(tiles || pairs ? 0 : R * D), bm(R), bl(R), bo(pr.out ? R * Dv : 0);
+    const bool vector = !tiles && !wide;
+    std::vector<float> s(vector ? R * Bp : 0), qv(vector && !pairs ? R * D : 0), bm(R), bl(R), bo(pr.out ? R * Dv : 0);
     std::vector<uint16_t> qb(pairs ? R * D : 0);
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
@@ -223,6 +225,8 @@ static int run_blocks(const Problem& pr) {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < nrows; ++r) pack_queries(pr, r, qt.data());
     }
+    WideScratch ws;
+    if (wide) ws.start(pr, Bp);
 #pragma omp for schedule(dynamic, pr.out ? 1 : 2)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
@@ -239,6 +243,12 @@ static int run_blocks(const Problem& pr) {
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
           tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, pr.m + b0 * R,
                         pr.l + b0 * R, pr.o + b0 * R * Dv, next_slot, next_keep, j == j0, j + 1 == j1);
+          continue;
+        }
+        if (wide) {  // likewise
+          if (ws.q_row != pr.block_req[b]) pack_wide_queries(pr, pr.block_req[b], ws);
+          wide_block<L>(pr, slot, keep, Bp, ws, pr.m + b0 * R, pr.l + b0 * R, pr.o + b0 * R * Dv, j == j0,
+                        j + 1 == j1);
           continue;
         }
         // the item's first block writes its partial in place, the others beside it and are folded in

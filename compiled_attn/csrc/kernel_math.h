@@ -22,7 +22,8 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
 
-static inline v16 splat(float x) { return v16{} + x; }
+// (not v16{} + x: strict IEEE arithmetic keeps that addition of +0, an instruction before every broadcast)
+static inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16 loadf(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
 static inline void storef(float* p, v16 v) { std::memcpy(p, &v, 64); }
 

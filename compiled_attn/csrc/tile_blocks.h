@@ -59,10 +59,10 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
-// The block's scores, 32 positions at a time (chunks with no valid position skipped, ts.live says which): the
+// The block's scores, 32 positions at a time (chunks with no valid position skipped, ts.cs.live says which): the
 // chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
 // tile loads in place, any other half staged as bf16, zeros at invalid positions: never used); per head and pair
-// of row groups, S^T [16 positions, gt rows] = K_half Q^T for both halves, stored position-major into ts.st.
+// of row groups, S^T [16 positions, gt rows] = K_half Q^T for both halves, stored position-major into ts.cs.st.
 template <class L>
 static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t c_lo,
                         int64_t c_hi, int64_t Bp, TileScratch& ts, bool k_fetched) {
@@ -75,7 +75,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
   for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
     uint32_t live = 0;
     for (int p = 0; p < 32; ++p) live |= (valid_at(c0 + p) ? 1u : 0u) << p;
-    ts.live[c0 / 32] = live != 0;
+    ts.cs.live[c0 / 32] = live != 0;
     if (!live) continue;
     bool direct[2];
     for (int half = 0; half < 2; ++half) {
@@ -127,11 +127,11 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
           }
         }
         const int64_t gi = h * ts.groups + t;
-        float* d0 = ts.st.data() + ((gi / ts.per) * Bp + c0) * 16 + (gi % ts.per) * ts.lanes;
+        float* d0 = ts.cs.st.data() + ((gi / ts.per) * Bp + c0) * 16 + (gi % ts.per) * ts.lanes;
         _tile_stored(0, d0, 64);
         _tile_stored(3, d0 + 16 * 16, 64);
         if (two) {
-          float* d1 = ts.st.data() + (((gi + 1) / ts.per) * Bp + c0) * 16 + ((gi + 1) % ts.per) * ts.lanes;
+          float* d1 = ts.cs.st.data() + (((gi + 1) / ts.per) * Bp + c0) * 16 + ((gi + 1) % ts.per) * ts.lanes;
           _tile_stored(4, d1, 64);
           _tile_stored(5, d1 + 16 * 16, 64);
         }
@@ -140,58 +140,26 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
   }
 }
 
-// The block's softmax, continuing its work item's running one, down the positions of each score block: M = max(m,
-// the block's scores), alpha = e^(m - M) (to rescale what was summed), P = e^(s - M) (0 at invalid positions), l =
-// l alpha + the sum of P, m = M; P rounded to bf16, 32 positions of 16 lanes transposed into the lanes' rows of
-// ts.pt. (Scores are raw products: the scale c goes into the exponent, e^(c (s - M)); a soft-cap rewrites them
-// first.)
+// The block's softmax (column_softmax.h) with its weights rounded to bf16, each chunk's 32 positions x 16 lanes
+// transposed in registers into the lanes' rows of ts.pt.
 static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, int64_t c_hi, int64_t Bp,
                          TileScratch& ts) {
-  const int64_t B = pr.B;
-  const float c = pr.q_bf16_scale * pr.k_mul;
-  auto valid_at = [&](int64_t p) { return p < B && val[p]; };
   __m512i pair_order;  // words 2n, 2n + 1 <- n, 16 + n: position 2i's and 2i + 1's weights of lane n side by side
   {
     uint16_t idx[32];
     for (int n = 0; n < 16; ++n) idx[2 * n] = (uint16_t)n, idx[2 * n + 1] = (uint16_t)(16 + n);
     pair_order = _mm512_loadu_si512(idx);
   }
-  for (int64_t sb = 0; sb < ts.nsb; ++sb) {
-    float* sv = ts.st.data() + sb * Bp * 16;
-    if (pr.cap > 0.f)
-      for (int64_t p = c_lo; p < c_hi; ++p)
-        if (valid_at(p))
-          for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
-    v16 mx = splat(-INFINITY);
-    for (int64_t p = c_lo; p < c_hi; ++p)
-      if (valid_at(p)) {
-        const v16 x = loadf(sv + p * 16);
-        mx = x > mx ? x : mx;
-      }
-    const v16 m_old = loadf(ts.m.data() + sb * 16);
-    const v16 m_new = mx > m_old ? mx : m_old;
-    storef(ts.alpha.data() + sb * 16, vexp((m_old - m_new) * c));
-    const v16 shift = m_new * -c;
-    v16 sum{};
-    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      if (!ts.live[c0 / 32]) continue;
-      __m512i w[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t p = c0 + 2 * i;
-        const v16 e0 = valid_at(p) ? vexp(loadf(sv + p * 16) * c + shift) : v16{};
-        const v16 e1 = valid_at(p + 1) ? vexp(loadf(sv + (p + 1) * 16) * c + shift) : v16{};
-        sum += e0 + e1;
-        w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
-      }
-      transpose16(w);
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        const int64_t r = ts.row_of(sb, lane, pr.hkv);
-        if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
-      }
+  column_softmax(pr, val, c_lo, c_hi, Bp, pr.q_bf16_scale * pr.k_mul, ts.cs, [&](int64_t sb, int64_t c0, v16* e) {
+    __m512i w[16];
+    for (int i = 0; i < 16; ++i)
+      w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e[2 * i + 1], (__m512)e[2 * i]));
+    transpose16(w);
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      const int64_t r = ts.row_of(sb, lane, pr.hkv);
+      if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
     }
-    storef(ts.l.data() + sb * 16, loadf(ts.l.data() + sb * 16) * loadf(ts.alpha.data() + sb * 16) + sum);
-    storef(ts.m.data() + sb * 16, m_new);
-  }
+  });
 }
 
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
@@ -206,26 +174,14 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
   const int64_t D = pr.D, Dv = pr.Dv, G = pr.G, hkv = pr.hkv, B = pr.B;
   const int64_t gt = ts.gt;
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
-  if (first) {
-    std::fill(ts.m.begin(), ts.m.end(), -FLT_MAX), std::fill(ts.l.begin(), ts.l.end(), 0.0f);
-    std::fill(ts.acc.begin(), ts.acc.end(), 0.0f);
-  }
-  // the chunks from the first valid position's to the last's (a request's last block is mostly padding)
-  int64_t c_lo = Bp, c_hi = 0;
-  for (int64_t p = 0; p < B; ++p)
-    if (val[p]) c_lo = std::min(c_lo, p / 32 * 32), c_hi = p / 32 * 32 + 32;
+  const auto row_of = [&](int64_t sb, int64_t lane) { return ts.row_of(sb, lane, hkv); };
+  if (first) ts.cs.begin_item();
+  int64_t c_lo, c_hi;
+  live_range(val, B, Bp, c_lo, c_hi);
   if (c_lo < c_hi) {
     tile_scores<L>(pr, qt, slot, val, c_lo, c_hi, Bp, ts, !first);
     tile_softmax(pr, val, c_lo, c_hi, Bp, ts);
-    if (!first)  // the running sums rescaled to the new max
-      for (int64_t sb = 0; sb < ts.nsb; ++sb)
-        for (int64_t lane = 0; lane < 16; ++lane) {
-          const int64_t r = ts.row_of(sb, lane, hkv);
-          const float a = ts.alpha[sb * 16 + lane];
-          if (r < 0 || a == 1.0f) continue;
-          float* ar = ts.acc.data() + r * Dv;
-          for (int64_t d = 0; d < Dv; d += 16) storef(ar + d, loadf(ar + d) * a);
-        }
+    if (!first) rescale_sums(ts.cs, Dv, row_of);
     // weighted V, head by head and kVSpan positions at a time: the head's V rows staged as interleaved pairs (its
     // rows a few positions ahead into L1; the next head's and the next block's keys into L2 meanwhile), then per
     // group of query rows and 64 columns four accumulator tiles kept across the span's 32-position chunks
@@ -235,7 +191,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
         const int64_t s1 = std::min(c_hi, s0 + kVSpan);
         for (int64_t k2 = s0 / 2; k2 < s1 / 2; ++k2) {
           const int64_t p0 = 2 * k2, p1 = p0 + 1;
-          if (!ts.live[p0 / 32]) continue;
+          if (!ts.cs.live[p0 / 32]) continue;
           for (int64_t p = p0; p <= p1; ++p) {
             if (valid_at(p + 8))
               prefetch_lines(vc + slot[p + 8] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
@@ -258,13 +214,13 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           const int64_t r0 = h * G + t * gt;
           for (int64_t j0 = 0; j0 < Dv / 16; j0 += 4) {
             const int64_t jn = std::min<int64_t>(4, Dv / 16 - j0);
-            float* o = ts.acc.data() + r0 * Dv + 16 * j0;
+            float* o = ts.cs.acc.data() + r0 * Dv + 16 * j0;
             TILE_LOAD(3, o, Dv * 4);
             if (jn > 1) TILE_LOAD(4, o + 16, Dv * 4);
             if (jn > 2) TILE_LOAD(5, o + 32, Dv * 4);
             if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
-              if (!ts.live[c0 / 32]) continue;
+              if (!ts.cs.live[c0 / 32]) continue;
               TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
               const uint16_t* vb = ts.vt.data() + (c0 - s0) / 2 * Dv * 2 + 32 * j0;
               TILE_LOAD(1, vb, Dv * 4);
@@ -291,22 +247,13 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
       }
   }
   if (!last) return;
-  // the item's partial: m in scaled units (the lowest float32 for a row with no valid position), the sums'
-  // columns back in V's order: per 32 elements the interleave put words 0-3 of each 128-bit lane in the first 16
-  // columns (elements 0-3, 8-11, 16-19, 24-27) and words 4-7 in the next 16
-  const float c = pr.q_bf16_scale * pr.k_mul;
-  for (int64_t sb = 0; sb < ts.nsb; ++sb)
-    for (int64_t lane = 0; lane < 16; ++lane) {
-      const int64_t r = ts.row_of(sb, lane, hkv);
-      if (r < 0) continue;
-      const float mr = ts.m[sb * 16 + lane];
-      mo[r] = mr == -FLT_MAX ? -FLT_MAX : mr * c;
-      lo[r] = ts.l[sb * 16 + lane];
-    }
+  // the item's partial; the sums' columns back in V's order: per 32 elements the interleave put words 0-3 of each
+  // 128-bit lane in the first 16 columns (elements 0-3, 8-11, 16-19, 24-27) and words 4-7 in the next 16
+  write_max_and_sum(ts.cs, pr.q_bf16_scale * pr.k_mul, mo, lo, row_of);
   const v16 mul = splat(pr.v_mul);
   for (int64_t r = 0; r < hkv * G; ++r)
     for (int64_t d = 0; d < Dv; d += 32) {
-      const v16 lo16 = loadf(ts.acc.data() + r * Dv + d), hi16 = loadf(ts.acc.data() + r * Dv + d + 16);
+      const v16 lo16 = loadf(ts.cs.acc.data() + r * Dv + d), hi16 = loadf(ts.cs.acc.data() + r * Dv + d + 16);
       storef(oo + r * Dv + d,
              __builtin_shufflevector(lo16, hi16, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23) * mul);
       storef(oo + r * Dv + d + 16,

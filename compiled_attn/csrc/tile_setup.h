@@ -1,7 +1,7 @@
 // The tile path's setup (tile_blocks.h has the path itself): whether it may run, its tile configurations and
 // per-thread buffers, and the queries packed as tiles.
 #pragma once
-#include "kernel_math.h"
+#include "column_softmax.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -37,18 +37,15 @@ struct alignas(64) TileConfig {
 constexpr int64_t kVSpan = 128;  // positions of V staged at a time (its pairs stay in L1 for the products)
 
 // One thread's buffers and tile configurations (gt: query rows per tile, T = G / gt groups per head). The scores
-// are kept as the tiles give them, position-major: per score block (one group's rows, or two groups' when gt = 8)
-// and position, 16 float32 lanes, one per query row; the softmax runs down the positions with whole-vector
-// arithmetic (no per-row reductions), and only the bf16 weights are transposed into rows for the V products.
+// are kept as the tiles give them (column_softmax.h: a score block holds one group's rows, or two groups' when gt
+// = 8), and only the bf16 weights are transposed into rows for the V products.
 struct TileScratch {
-  int64_t gt = 0, groups = 0, lanes = 0, per = 0, nsb = 0;  // lanes per group in a score block, groups per block
+  int64_t gt = 0, groups = 0, lanes = 0, per = 0;  // lanes per group in a score block, groups per block
+  ColumnState cs;             // scores (raw products: the scale goes into the exp), running softmax, sums (the
+                              // columns in tile order)
   std::vector<uint16_t> kt;   // [hkv, 32, D] one 32-position chunk's key rows, where staged
   std::vector<uint16_t> vt;   // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
   std::vector<uint16_t> pt;   // [R, Bp] the block's softmax weights, bf16
-  std::vector<float> st;      // [nsb, Bp, 16] the block's scores, raw products (the scale applied in the exp)
-  std::vector<float> m, l, alpha;  // [nsb, 16] per lane the running max (raw), sum, and the block's rescale
-  std::vector<float> acc;     // [R, Dv] the running weighted V sums (columns in tile order)
-  std::vector<uint8_t> live;  // [Bp / 32] whether a 32-position chunk holds a valid position
   TileConfig scores{}, sums{};
 
   void start(const Problem& pr, int64_t Bp) {
@@ -56,13 +53,11 @@ struct TileScratch {
     groups = pr.G / gt;
     lanes = gt <= 8 ? 8 : 16;
     per = 16 / lanes;
-    nsb = (pr.hkv * groups + per - 1) / per;
     const int64_t R = pr.hkv * pr.G;
+    cs.start((pr.hkv * groups + per - 1) / per, Bp, R, pr.Dv);
     kt.resize(pr.hkv * 32 * pr.D);
     vt.resize(std::min<int64_t>(Bp, kVSpan) * pr.Dv);
     pt.resize(R * Bp);
-    st.assign(nsb * Bp * 16, 0.0f);  // lanes no group writes stay finite
-    m.resize(nsb * 16), l.resize(nsb * 16), alpha.resize(nsb * 16), acc.resize(R * pr.Dv), live.resize(Bp / 32);
     scores.palette = sums.palette = 1;
     // scores: four S^T accumulators (16 positions x gt rows, float32), two K tiles (16 positions x 32 bf16), two
     // Q^T tiles (16 column pairs x gt rows): four independent products in flight, not one chain

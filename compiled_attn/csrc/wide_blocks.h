@@ -1,0 +1,180 @@
+// The decode kernel's wide path: blocks whose KV heads have 16 query rows or a multiple of 16 (verify's draft
+// tokens times GQA's groups) where the tile path does not serve (a float32 query or cache, a CPU without AMX).
+// float32 arithmetic, exact products as on the vector path.
+//
+// Why: the vector path scores a key row against each query row with a dot product and a horizontal sum, so its
+// work per key grows with the rows at a poor rate (bs-32 float32 verify, 16 rows per KV head: 2.2x a decode step;
+// 32 rows went to the flash op at 4.4x). Here the scores are outer products, lanes = 16 query rows: per key
+// element one broadcast and one FMA per 16 rows, eight independent sums in flight; they come out position-major,
+// so the softmax is column_softmax.h's, and the V sum broadcasts each weight over a value row read in place.
+#pragma once
+#include <type_traits>
+
+#include "column_softmax.h"
+
+constexpr int64_t kWideSpan = 64;  // positions of V converted to float32 at a time (other cache dtypes)
+
+// One thread's buffers: the running softmax (score block sb = h * groups + t holds query rows 16 sb ..), one row's
+// queries transposed, converted key and value rows.
+struct WideScratch {
+  int64_t groups = 0, q_row = -1;  // q_row: the row whose queries qt holds
+  ColumnState cs;
+  std::vector<float> qt;       // [hkv, groups, D, 16] the scaled queries times K's scale, lanes = query rows
+  std::vector<float> kf, vf;   // [8, D], [kWideSpan, Dv] key and value rows as float32 (a float32 cache: unused)
+  std::vector<int64_t> ids;    // [Bp] the block's valid positions
+
+  void start(const Problem& pr, int64_t Bp) {
+    groups = pr.G / 16;
+    cs.start(pr.hkv * groups, Bp, pr.hkv * pr.G, pr.Dv);
+    qt.resize(pr.hkv * pr.G * pr.D), kf.resize(8 * pr.D), vf.resize(kWideSpan * pr.Dv), ids.resize(Bp);
+    q_row = -1;
+  }
+};
+
+static bool wide_fit(const Problem& pr) { return pr.G >= 16 && pr.G % 16 == 0; }
+
+static void pack_wide_queries(const Problem& pr, int64_t row, WideScratch& ws) {
+  const int64_t D = pr.D, G = pr.G;
+  for (int64_t h = 0; h < pr.hkv; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q = pr.qs + ((row * pr.hkv + h) * G + g) * D;
+      float* dst = ws.qt.data() + (h * G + g / 16 * 16) * D + g % 16;
+      for (int64_t d = 0; d < D; ++d) dst[d * 16] = q[d] * pr.k_mul;
+    }
+  ws.q_row = row;
+}
+
+// U key rows against T groups of 16 query rows: out[u * T + t] = the 16 scores of position u.
+template <int U, int T>
+static inline void wide_products(const float* const* kr, const float* q, int64_t D, v16* out) {
+  v16 a[U][T] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 x[T];
+    for (int t = 0; t < T; ++t) x[t] = loadf(q + (t * D + d) * 16);
+    for (int u = 0; u < U; ++u) {
+      const v16 k = splat(kr[u][d]);
+      for (int t = 0; t < T; ++t) a[u][t] += k * x[t];
+    }
+  }
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < T; ++t) out[u * T + t] = a[u][t];
+}
+
+// Two query rows' weighted sums over the valid positions ids[i0 .. i1) for NCH x 16 columns from cb: o (row 0)
+// and o + Dv (row 1) += w[p * 16] and w[p * 16 + 1] times value row i's columns.
+template <int NCH, class VRow>
+static inline void weighted_rows(const int64_t* ids, int64_t i0, int64_t i1, const float* w, VRow&& v_row, int64_t cb,
+                                 float* o, int64_t Dv) {
+  v16 a0[NCH], a1[NCH];
+  for (int j = 0; j < NCH; ++j) a0[j] = loadf(o + 16 * j), a1[j] = loadf(o + Dv + 16 * j);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* wp = w + ids[i] * 16;
+    const v16 w0 = splat(wp[0]), w1 = splat(wp[1]);
+    const float* vr = v_row(i) + cb;
+    for (int j = 0; j < NCH; ++j) {
+      const v16 v = loadf(vr + 16 * j);
+      a0[j] += w0 * v, a1[j] += w1 * v;
+    }
+  }
+  for (int j = 0; j < NCH; ++j) storef(o + 16 * j, a0[j]), storef(o + Dv + 16 * j, a1[j]);
+}
+
+template <class L>
+static const float* key_row(const Problem& pr, int64_t slot, int64_t h, float* buf) {
+  typedef typename L::T T;
+  const T* kr = static_cast<const T*>(pr.k) + slot * pr.k_row + h * pr.k_head;
+  if constexpr (std::is_same<L, F32>::value) return kr;
+  for (int64_t d = 0; d < pr.D; d += 16) storef(buf + d, L::load(kr + d));
+  return buf;
+}
+
+// One block, folded into its work item's running softmax (first / last as tile_block).
+template <class L>
+static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* val, int64_t Bp, WideScratch& ws,
+                       float* mo, float* lo, float* oo, bool first, bool last) {
+  typedef typename L::T T;
+  const T* kc = static_cast<const T*>(pr.k);
+  const T* vc = static_cast<const T*>(pr.v);
+  const int64_t D = pr.D, Dv = pr.Dv, hkv = pr.hkv, B = pr.B, groups = ws.groups;
+  ColumnState& cs = ws.cs;
+  const auto row_of = [](int64_t sb, int64_t lane) { return sb * 16 + lane; };
+  if (first) cs.begin_item();
+  int64_t c_lo, c_hi;
+  live_range(val, B, Bp, c_lo, c_hi);
+  int64_t n = 0;
+  for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+    const int64_t n0 = n;
+    for (int64_t p = c0; p < std::min(c0 + 32, B); ++p)
+      if (val[p]) ws.ids[n++] = p;
+    cs.live[c0 / 32] = n > n0;
+  }
+  if (n) {
+    // scores: eight positions against one group of rows, or four against two, per step
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t t = 0; t < groups; t += 2) {
+        const bool two = t + 1 < groups;
+        const int U = two ? 4 : 8;
+        const float* q = ws.qt.data() + (h * groups + t) * D * 16;
+        for (int64_t i = 0; i < n; i += U) {
+          const float* kr[8];
+          for (int u = 0; u < U; ++u) {
+            const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
+            kr[u] = key_row<L>(pr, slot[p], h, ws.kf.data() + u * D);
+            if (i + U + u < n)
+              prefetch_lines(kc + slot[ws.ids[i + U + u]] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+          }
+          v16 s[8];
+          if (two) wide_products<4, 2>(kr, q, D, s);
+          else wide_products<8, 1>(kr, q, D, s);
+          for (int u = 0; u < U && i + u < n; ++u)
+            for (int tt = 0; tt < (two ? 2 : 1); ++tt)
+              storef(cs.st.data() + ((h * groups + t + tt) * Bp + ws.ids[i + u]) * 16, s[u * (two ? 2 : 1) + tt]);
+        }
+      }
+    column_softmax(pr, val, c_lo, c_hi, Bp, 1.0f, cs, [&](int64_t sb, int64_t c0, v16* e) {
+      for (int i = 0; i < 32; ++i) storef(cs.st.data() + (sb * Bp + c0 + i) * 16, e[i]);
+    });
+    if (!first) rescale_sums(cs, Dv, row_of);
+    // weighted V, head by head and kWideSpan positions at a time: per pair of query rows and 128 columns, each
+    // value row (read in place, or converted once for the span) times the two rows' weights, in registers
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t i0 = 0; i0 < n; i0 += kWideSpan) {
+        const int64_t i1 = std::min(n, i0 + kWideSpan);
+        if constexpr (!std::is_same<L, F32>::value)
+          for (int64_t i = i0; i < i1; ++i) {
+            const T* vr = vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
+            for (int64_t d = 0; d < Dv; d += 16) storef(ws.vf.data() + (i - i0) * Dv + d, L::load(vr + d));
+          }
+        auto v_row = [&](int64_t i) -> const float* {
+          if constexpr (std::is_same<L, F32>::value) return vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
+          else return ws.vf.data() + (i - i0) * Dv;
+        };
+        for (int64_t t = 0; t < groups; ++t) {
+          const int64_t sb = h * groups + t;
+          const float* w = cs.st.data() + sb * Bp * 16;
+          for (int64_t cb = 0; cb < Dv; cb += 128) {
+            const int64_t nch = std::min<int64_t>(8, (Dv - cb) / 16);
+            for (int64_t rr = 0; rr < 16; rr += 2) {
+              float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
+              const float* wr = w + rr;
+              switch (nch) {  // the columns' count fixed at compile time: the sums stay in registers
+                case 8: weighted_rows<8>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 7: weighted_rows<7>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 6: weighted_rows<6>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 5: weighted_rows<5>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 4: weighted_rows<4>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 3: weighted_rows<3>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 2: weighted_rows<2>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                default: weighted_rows<1>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+              }
+            }
+          }
+        }
+      }
+  }
+  if (!last) return;
+  write_max_and_sum(cs, 1.0f, mo, lo, row_of);
+  const v16 mul = splat(pr.v_mul);
+  for (int64_t r = 0; r < hkv * pr.G; ++r)
+    for (int64_t d = 0; d < Dv; d += 16) storef(oo + r * Dv + d, loadf(cs.acc.data() + r * Dv + d) * mul);
+}
