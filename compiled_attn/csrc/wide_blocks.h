@@ -20,13 +20,15 @@ struct WideScratch {
   int64_t groups = 0, q_row = -1;  // q_row: the row whose queries qt holds
   ColumnState cs;
   std::vector<float> qt;       // [hkv, groups, D, 16] the scaled queries times K's scale, lanes = query rows
-  std::vector<float> kf, vf;   // [8, D], [kWideSpan, Dv] key and value rows as float32 (a float32 cache: unused)
+  std::vector<float> kf, vf;   // [8, D] key rows as float32; [kWideSpan, Dv] value rows (not for a float32 cache)
   std::vector<int64_t> ids;    // [Bp] the block's valid positions
+  std::vector<const float*> vp;  // [kWideSpan] a span's value rows as float32 (in the cache, or in vf)
 
   void start(const Problem& pr, int64_t Bp) {
     groups = pr.G / 16;
     cs.start(pr.hkv * groups, Bp, pr.hkv * pr.G, pr.Dv);
     qt.resize(pr.hkv * pr.G * pr.D), kf.resize(8 * pr.D), vf.resize(kWideSpan * pr.Dv), ids.resize(Bp);
+    vp.resize(kWideSpan);
     q_row = -1;
   }
 };
@@ -44,15 +46,17 @@ static void pack_wide_queries(const Problem& pr, int64_t row, WideScratch& ws) {
   ws.q_row = row;
 }
 
-// U key rows against T groups of 16 query rows: out[u * T + t] = the 16 scores of position u.
+// U key rows (kf [U, D], float32) against T groups of 16 query rows: out[u * T + t] = the 16 scores of position u.
+// (The rows copied side by side, float32 ones too: one base address for the U broadcasts, where U pointers into
+// the cache had been reloaded from the stack at every step.)
 template <int U, int T>
-static inline void wide_products(const float* const* kr, const float* q, int64_t D, v16* out) {
+static inline void wide_products(const float* kf, const float* q, int64_t D, v16* out) {
   v16 a[U][T] = {};
   for (int64_t d = 0; d < D; ++d) {
     v16 x[T];
     for (int t = 0; t < T; ++t) x[t] = loadf(q + (t * D + d) * 16);
     for (int u = 0; u < U; ++u) {
-      const v16 k = splat(kr[u][d]);
+      const v16 k = splat(kf[u * D + d]);
       for (int t = 0; t < T; ++t) a[u][t] += k * x[t];
     }
   }
@@ -60,17 +64,17 @@ static inline void wide_products(const float* const* kr, const float* q, int64_t
     for (int t = 0; t < T; ++t) out[u * T + t] = a[u][t];
 }
 
-// Two query rows' weighted sums over the valid positions ids[i0 .. i1) for NCH x 16 columns from cb: o (row 0)
-// and o + Dv (row 1) += w[p * 16] and w[p * 16 + 1] times value row i's columns.
-template <int NCH, class VRow>
-static inline void weighted_rows(const int64_t* ids, int64_t i0, int64_t i1, const float* w, VRow&& v_row, int64_t cb,
+// Two query rows' weighted sums over n valid positions (ids: their positions, vp: their value rows, float32) for
+// NCH x 16 columns from cb: o (row 0) and o + Dv (row 1) += w[p * 16] and w[p * 16 + 1] times the row's columns.
+template <int NCH>
+static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
                                  float* o, int64_t Dv) {
   v16 a0[NCH], a1[NCH];
   for (int j = 0; j < NCH; ++j) a0[j] = loadf(o + 16 * j), a1[j] = loadf(o + Dv + 16 * j);
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float* wp = w + ids[i] * 16;
     const v16 w0 = splat(wp[0]), w1 = splat(wp[1]);
-    const float* vr = v_row(i) + cb;
+    const float* vr = vp[i] + cb;
     for (int j = 0; j < NCH; ++j) {
       const v16 v = loadf(vr + 16 * j);
       a0[j] += w0 * v, a1[j] += w1 * v;
@@ -79,14 +83,6 @@ static inline void weighted_rows(const int64_t* ids, int64_t i0, int64_t i1, con
   for (int j = 0; j < NCH; ++j) storef(o + 16 * j, a0[j]), storef(o + Dv + 16 * j, a1[j]);
 }
 
-template <class L>
-static const float* key_row(const Problem& pr, int64_t slot, int64_t h, float* buf) {
-  typedef typename L::T T;
-  const T* kr = static_cast<const T*>(pr.k) + slot * pr.k_row + h * pr.k_head;
-  if constexpr (std::is_same<L, F32>::value) return kr;
-  for (int64_t d = 0; d < pr.D; d += 16) storef(buf + d, L::load(kr + d));
-  return buf;
-}
 
 // One block, folded into its work item's running softmax (first / last as tile_block).
 template <class L>
@@ -116,16 +112,16 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
         const int U = two ? 4 : 8;
         const float* q = ws.qt.data() + (h * groups + t) * D * 16;
         for (int64_t i = 0; i < n; i += U) {
-          const float* kr[8];
           for (int u = 0; u < U; ++u) {
             const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
-            kr[u] = key_row<L>(pr, slot[p], h, ws.kf.data() + u * D);
+            const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
+            for (int64_t d = 0; d < D; d += 16) storef(ws.kf.data() + u * D + d, L::load(kr + d));
             if (i + U + u < n)
               prefetch_lines(kc + slot[ws.ids[i + U + u]] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
           }
           v16 s[8];
-          if (two) wide_products<4, 2>(kr, q, D, s);
-          else wide_products<8, 1>(kr, q, D, s);
+          if (two) wide_products<4, 2>(ws.kf.data(), q, D, s);
+          else wide_products<8, 1>(ws.kf.data(), q, D, s);
           for (int u = 0; u < U && i + u < n; ++u)
             for (int tt = 0; tt < (two ? 2 : 1); ++tt)
               storef(cs.st.data() + ((h * groups + t + tt) * Bp + ws.ids[i + u]) * 16, s[u * (two ? 2 : 1) + tt]);
@@ -140,15 +136,15 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
     for (int64_t h = 0; h < hkv; ++h)
       for (int64_t i0 = 0; i0 < n; i0 += kWideSpan) {
         const int64_t i1 = std::min(n, i0 + kWideSpan);
-        if constexpr (!std::is_same<L, F32>::value)
-          for (int64_t i = i0; i < i1; ++i) {
-            const T* vr = vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
+        for (int64_t i = i0; i < i1; ++i) {  // the span's value rows: in place, or converted
+          const T* vr = vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
+          if constexpr (std::is_same<L, F32>::value) {
+            ws.vp[i - i0] = vr;
+          } else {
             for (int64_t d = 0; d < Dv; d += 16) storef(ws.vf.data() + (i - i0) * Dv + d, L::load(vr + d));
+            ws.vp[i - i0] = ws.vf.data() + (i - i0) * Dv;
           }
-        auto v_row = [&](int64_t i) -> const float* {
-          if constexpr (std::is_same<L, F32>::value) return vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
-          else return ws.vf.data() + (i - i0) * Dv;
-        };
+        }
         for (int64_t t = 0; t < groups; ++t) {
           const int64_t sb = h * groups + t;
           const float* w = cs.st.data() + sb * Bp * 16;
@@ -158,14 +154,14 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
               switch (nch) {  // the columns' count fixed at compile time: the sums stay in registers
-                case 8: weighted_rows<8>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 7: weighted_rows<7>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 6: weighted_rows<6>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 5: weighted_rows<5>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 4: weighted_rows<4>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 3: weighted_rows<3>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                case 2: weighted_rows<2>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
-                default: weighted_rows<1>(ws.ids.data(), i0, i1, wr, v_row, cb, o, Dv); break;
+                case 8: weighted_rows<8>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 7: weighted_rows<7>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 6: weighted_rows<6>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 5: weighted_rows<5>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 4: weighted_rows<4>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 3: weighted_rows<3>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 2: weighted_rows<2>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                default: weighted_rows<1>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
               }
             }
           }
