@@ -128,12 +128,36 @@ def native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and native_available())
 
 
+@opaque_op
+def kernel_queries(q: torch.Tensor, num_kv_heads: int, tokens: int) -> torch.Tensor:
+    """q [bs * tokens, Hq, D] (any float dtype; request b's ``tokens`` query tokens at rows ``b * tokens ..``) ->
+    [bs, Hkv, tokens * group, D] float32, the kernel's rows: row ``t * group + g`` of KV head h is token t's query
+    head ``h * group + g`` (decode: tokens = 1). One copy, unscaled: callers fold the softmax scale into the
+    kernel's ``k_scale`` (it multiplies the queries by K's scale anyway), where a scaled copy in this layout took a
+    transposing copy, a conversion and a multiplication (0.9 ms of a bs-32 k = 8 verify step). An op of its own so
+    that the kernel starts from a stored buffer: with q's producers (rotary embedding, projections) folded in,
+    every layer of a model compiled its own variant of the code around the kernel."""
+    n, hq, d = q.shape
+    group = hq // num_kv_heads
+    out = q.new_empty((n // tokens, num_kv_heads, tokens * group, d), dtype=torch.float32)
+    out.view(n // tokens, num_kv_heads, tokens, group, d).copy_(
+        q.view(n // tokens, tokens, num_kv_heads, group, d).transpose(1, 2))
+    return out
+
+
+@torch.library.register_fake(kernel_queries)
+def _kernel_queries_fake(q, num_kv_heads, tokens):
+    n, hq, d = q.shape
+    return q.new_empty((n // tokens, num_kv_heads, tokens * (hq // num_kv_heads), d), dtype=torch.float32)
+
+
 #: caches whose values bfloat16 holds exactly: with a bf16 query the kernel may take its tile path
 TILE_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def bf16_query_scale(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> float:
-    """The kernel's ``q_bf16_scale`` for queries ``scaled_queries(q, ..., scale)``: ``scale`` when q is bf16 and the
+    """The kernel's ``q_bf16_scale`` for its float32 queries q times ``scale`` (``scaled_queries(q, ..., scale)``,
+    or ``kernel_queries(q, ...)`` with scale 1): ``scale`` when q is bf16 and the
     cache one of ``TILE_KV_DTYPES``, so the kernel may take the query back to bf16 exactly and run the block as bf16
     tile products (AMX, where the CPU has it: ``csrc/tile_blocks.h``; the softmax weights rounded to bf16 for the V
     sum, float32 sums), else 0.0 (float32 products)."""

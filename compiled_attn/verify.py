@@ -50,10 +50,17 @@ from .decode import (
     sinks_by_kv_head,
     total_blocks_needed,
 )
-from .decode_fused import choose_fused, gather_heads_float, scaled_queries, used_block_partials
+from .decode_fused import choose_fused, gather_heads_float, used_block_partials
 from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_decode_blocks, native_fits, tiles_serve, wide_serves
+from .native_decode import (
+    bf16_query_scale,
+    kernel_queries,
+    native_decode_blocks,
+    native_fits,
+    tiles_serve,
+    wide_serves,
+)
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_flash import prefix_flash
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom, full_mask_numel
@@ -283,17 +290,17 @@ def verify_blocks(
     cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
     if cpu_flash and not flash_fits:
         raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
-    # [bs*k, Hq, D] -> [bs, Hkv, k * group, D]: a request's k queries share its KV head's blocks
-    qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
-    # a row of qg is draft token i's head g (row i * group + g): its sink is head g's, tiled over the k tokens
+    # a request's k queries share its KV head's blocks: grouped [bs, Hkv, k * group, D], row i * group + g draft
+    # token i's head g, whose sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
     if fused and native:  # the prefix blocks and the draft block, merged, in one call of the kernel
         p = index.prefix
-        out = native_decode_blocks(scaled_queries(qg.reshape(bs, -1, qg.shape[3]), hkv, scale), p.block_req, p.runs,
-                                   p.valid, p.unit, k_cache, v_cache, *scale_pair(k_scale, v_scale), logit_cap or 0.0,
-                                   bs, row_sinks, bf16_query_scale(q, k_cache, scale), index.draft_slots,
-                                   index.draft_mask)
+        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (kernel_queries says why)
+        out = native_decode_blocks(kernel_queries(q, hkv, k), p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache,
+                                   ks * scale, vs, logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
+                                   index.draft_slots, index.draft_mask)
         return _token_major(out, k, q.dtype)
+    qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)

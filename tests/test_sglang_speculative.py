@@ -160,10 +160,10 @@ def test_target_verify_soft_cap_and_bf16(monkeypatch):
     out = _run_layers(CompiledAttnBackend(mr), batch, [H.make_layer(g)])[0]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _reference(batch, masks), atol=3e-2, rtol=0)
-    if native_available():  # the queries grouped [bs, Hkv, K * group, D], marked bf16 (q_bf16_scale: tiles may run),
-        # with the draft block's slots and mask
+    if native_available():  # the queries grouped [bs, Hkv, K * group, D], unscaled (the scale rides on K's) and
+        # marked bf16 (q_bf16_scale 1: tiles may run), with the draft block's slots and mask
         assert calls and calls[-1][0].shape[1:3] == (g.num_kv_heads, K * g.num_heads // g.num_kv_heads)
-        assert calls[-1][12] == pytest.approx(g.sm_scale)
+        assert calls[-1][7] == pytest.approx(g.sm_scale) and calls[-1][12] == 1.0
         assert calls[-1][13].shape[1] == K and calls[-1][14].shape[1:] == (K, K)
 
 
