@@ -64,25 +64,27 @@ static inline void wide_products(const float* kf, const float* q, int64_t D, v16
     for (int t = 0; t < T; ++t) out[u * T + t] = a[u][t];
 }
 
-// Two query rows' weighted sums over n valid positions (ids: their positions, vp: their value rows, float32) for
-// NCH x 16 columns from cb: o (row 0) and o + Dv (row 1) += w[p * 16] and w[p * 16 + 1] times the row's columns.
-template <int NCH>
+// NR query rows' weighted sums over n valid positions (ids: their positions, vp: their value rows, float32) for
+// NCH x 16 columns from cb: row j's o + j * Dv += w[p * 16 + j] times the row's columns.
+template <int NR, int NCH>
 static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
                                  float* o, int64_t Dv) {
-  v16 a0[NCH], a1[NCH];
-  for (int j = 0; j < NCH; ++j) a0[j] = loadf(o + 16 * j), a1[j] = loadf(o + Dv + 16 * j);
+  v16 a[NR][NCH];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NCH; ++j) a[r][j] = loadf(o + r * Dv + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     const float* wp = w + ids[i] * 16;
-    const v16 w0 = splat(wp[0]), w1 = splat(wp[1]);
     const float* vr = vp[i] + cb;
-    for (int j = 0; j < NCH; ++j) {
-      const v16 v = loadf(vr + 16 * j);
-      a0[j] += w0 * v, a1[j] += w1 * v;
+    v16 v[NCH];
+    for (int j = 0; j < NCH; ++j) v[j] = loadf(vr + 16 * j);
+    for (int r = 0; r < NR; ++r) {
+      const v16 wr = splat(wp[r]);
+      for (int j = 0; j < NCH; ++j) a[r][j] += wr * v[j];
     }
   }
-  for (int j = 0; j < NCH; ++j) storef(o + 16 * j, a0[j]), storef(o + Dv + 16 * j, a1[j]);
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NCH; ++j) storef(o + r * Dv + 16 * j, a[r][j]);
 }
-
 
 // One block, folded into its work item's running softmax (first / last as tile_block).
 template <class L>
@@ -131,8 +133,9 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
       for (int i = 0; i < 32; ++i) storef(cs.st.data() + (sb * Bp + c0 + i) * 16, e[i]);
     });
     if (!first) rescale_sums(cs, Dv, row_of);
-    // weighted V, head by head and kWideSpan positions at a time: per pair of query rows and 128 columns, each
-    // value row (read in place, or converted once for the span) times the two rows' weights, in registers
+    // weighted V, head by head and kWideSpan positions at a time: per four query rows and 64 columns, each value
+    // row (read in place, or converted once for the span) times the four rows' weights, in registers (four value
+    // loads and four broadcasts per 16 FMAs; two rows x 128 columns took twelve loads)
     for (int64_t h = 0; h < hkv; ++h)
       for (int64_t i0 = 0; i0 < n; i0 += kWideSpan) {
         const int64_t i1 = std::min(n, i0 + kWideSpan);
@@ -148,20 +151,17 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
         for (int64_t t = 0; t < groups; ++t) {
           const int64_t sb = h * groups + t;
           const float* w = cs.st.data() + sb * Bp * 16;
-          for (int64_t cb = 0; cb < Dv; cb += 128) {
-            const int64_t nch = std::min<int64_t>(8, (Dv - cb) / 16);
-            for (int64_t rr = 0; rr < 16; rr += 2) {
+          for (int64_t cb = 0; cb < Dv; cb += 64) {
+            const int64_t nch = std::min<int64_t>(4, (Dv - cb) / 16);
+            for (int64_t rr = 0; rr < 16; rr += 4) {
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
+              const int64_t* id = ws.ids.data() + i0;
               switch (nch) {  // the columns' count fixed at compile time: the sums stay in registers
-                case 8: weighted_rows<8>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 7: weighted_rows<7>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 6: weighted_rows<6>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 5: weighted_rows<5>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 4: weighted_rows<4>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 3: weighted_rows<3>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 2: weighted_rows<2>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                default: weighted_rows<1>(ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 4: weighted_rows<4, 4>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 3: weighted_rows<4, 3>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                case 2: weighted_rows<4, 2>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
+                default: weighted_rows<4, 1>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
               }
             }
           }
