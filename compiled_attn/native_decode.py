@@ -134,7 +134,7 @@ def kernel_queries(q: torch.Tensor, num_kv_heads: int, tokens: int) -> torch.Ten
     [bs, Hkv, tokens * group, D] float32, the kernel's rows: row ``t * group + g`` of KV head h is token t's query
     head ``h * group + g`` (decode: tokens = 1). One copy, unscaled: callers fold the softmax scale into the
     kernel's ``k_scale`` (it multiplies the queries by K's scale anyway), where a scaled copy in this layout took a
-    transposing copy, a conversion and a multiplication (0.9 ms of a bs-32 k = 8 verify step). An op of its own so
+    transposing copy, a conversion and a multiplication. An op of its own so
     that the kernel starts from a stored buffer: with q's producers (rotary embedding, projections) folded in,
     every layer of a model compiled its own variant of the code around the kernel."""
     n, hq, d = q.shape
@@ -285,7 +285,7 @@ def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.
     Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
     outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
     merged straight from the kernel's scratch, and a step makes one op call instead of four. The same for verify's
-    draft block (gathers of the draft keys, two batched matmuls and the join: 2-4 ms of a bs-32 step)."""
+    draft block (as ATen ops: gathers of the draft keys, two batched matmuls and the join)."""
     sinks = None if sinks is None else sinks.float().contiguous()
     draft_slots, draft_mask = _check_draft(qs, num_rows, draft_slots, draft_mask)
     qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()

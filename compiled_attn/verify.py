@@ -78,7 +78,7 @@ FUSED_MAX_ROWS = 8
 #: loops (bs 32, float32, 16 rows per KV head: 35-39 ms against the flash op's 56-84; at 32 rows within 10% of it
 #: either way). Where its tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU) or
 #: its wide path (``native_decode.wide_serves``: a multiple of 16 rows) there is no limit: the tiles' time grows
-#: little with the rows, the wide path's at the FMA rate (bs 32 float32, 32 rows: 33 ms against the flash op's 68).
+#: little with the rows, the wide path's at the FMA rate (at 32 rows half the flash op's).
 NATIVE_MAX_ROWS = 16
 
 

@@ -20,7 +20,7 @@ static void fold_partials(int64_t R, int64_t Dv, float* m, float* l, float* o, c
 // A key's K/V rows are converted once per head for all its query rows; a row's scores come four keys to a
 // horizontal sum and sixteen to an exp. Returns false when a key some token sees has its slot outside the caches
 // (left out, never read). The few keys (k + a window's edge) cost a fraction of the prefix; as ATen ops around the
-// kernel (gathers, two batched matmuls, the join of the two parts) they had cost a fifth of a bs-32 verify step.
+// kernel (gathers, two batched matmuls, the join of the two parts) they had cost several times that.
 struct DraftScratch {
   std::vector<float> kf, vf, s;  // [nd, D], [nd, Dv] converted rows; [nd + 16] one query row's scores
   std::vector<int64_t> ids;      // [nd] the keys a query row sees

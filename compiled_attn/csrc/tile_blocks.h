@@ -85,7 +85,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
     }
     for (int64_t p = 0; p < 32; ++p) {
       // an item's first block fetches its keys (and head 0's values) a chunk ahead into L2: lines into L1 a few
-      // positions ahead stalled on the line-fill buffers, 8-10% of a verify step
+      // positions ahead stalled on the line-fill buffers
       const int64_t pos = c0 + p, ahead = pos + 32;
       const bool ok = valid_at(pos), fetch = !k_fetched && valid_at(ahead);
       if (valid_at(ahead)) prefetch_lines<2>(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));

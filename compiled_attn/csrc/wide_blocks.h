@@ -3,10 +3,10 @@
 // float32 arithmetic, exact products as on the vector path.
 //
 // Why: the vector path scores a key row against each query row with a dot product and a horizontal sum, so its
-// work per key grows with the rows at a poor rate (bs-32 float32 verify, 16 rows per KV head: 2.2x a decode step;
-// 32 rows went to the flash op at 4.4x). Here the scores are outer products, lanes = 16 query rows: per key
-// element one broadcast and one FMA per 16 rows, eight independent sums in flight; they come out position-major,
-// so the softmax is column_softmax.h's, and the V sum broadcasts each weight over a value row read in place.
+// work per key grows with the rows at a poor rate (and at 32 rows verify had gone to the slower flash op). Here the
+// scores are outer products, lanes = 16 query rows: per key element one broadcast and one FMA per 16 rows, eight
+// independent sums in flight; they come out position-major, so the softmax is column_softmax.h's, and the V sum
+// broadcasts each weight over a value row read in place.
 #pragma once
 #include <type_traits>
 
