@@ -134,9 +134,9 @@ def kernel_queries(q: torch.Tensor, num_kv_heads: int, tokens: int) -> torch.Ten
     [bs, Hkv, tokens * group, D] float32, the kernel's rows: row ``t * group + g`` of KV head h is token t's query
     head ``h * group + g`` (decode: tokens = 1). One copy, unscaled: callers fold the softmax scale into the
     kernel's ``k_scale`` (it multiplies the queries by K's scale anyway), where a scaled copy in this layout took a
-    transposing copy, a conversion and a multiplication. An op of its own so
-    that the kernel starts from a stored buffer: with q's producers (rotary embedding, projections) folded in,
-    every layer of a model compiled its own variant of the code around the kernel."""
+    transposing copy, a conversion and a multiplication. An op of its own so that the kernel starts from a stored
+    buffer: with q's producers (rotary embedding, projections) folded in, every layer of a model compiled its own
+    variant of the code around the kernel."""
     n, hq, d = q.shape
     group = hq // num_kv_heads
     out = q.new_empty((n // tokens, num_kv_heads, tokens * group, d), dtype=torch.float32)
