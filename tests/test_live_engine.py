@@ -45,8 +45,11 @@ CONTEXT = 256
 # exact near-ties. Gemma 2: SGLang's model itself differs from transformers' by up to ~2e-3 in these logits (its
 # torch_native backend gives our tokens on the short prompts, where the window does not bind), and its compiled
 # model at batch size 1 from its eager one by up to ~6e-3 (our compiled decode there equals our eager one to 1e-6);
-# a backend ignoring the 16-token window would miss by 0.1-0.9 on the longer prompts. Llama must match exactly.
-TIE_TOL = {"tiny-deepseek-v2": 1e-3, "tiny-gemma2": 1e-2}
+# a backend ignoring the 16-token window would miss by 0.1-0.9 on the longer prompts. Llama with 4 query heads
+# per KV head (head size 32, ``test_live_ngram``): on one prompt transformers' top two logits lie 0.006 apart and
+# SGLang's engine takes the other one without speculation, with our kernel and with it off (its model's sums
+# differ from transformers' there). Llama must match exactly.
+TIE_TOL = {"tiny-deepseek-v2": 1e-3, "tiny-gemma2": 1e-2, "tiny-llama-g4": 1e-2}
 JOB_TIMEOUT_S = 400
 PARALLEL = int(os.environ.get("COMPILED_ATTN_LIVE_JOBS", "2"))
 

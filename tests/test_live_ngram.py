@@ -1,7 +1,8 @@
 """N-gram speculative decoding (``--speculative-algorithm NGRAM``, no draft model) in a live SGLang engine on CPU
 with ``--attention-backend compiled_attn``: greedy tokens equal ``transformers.generate``, and drafts are accepted.
 
-Per model (tiny Llama; tiny Gemma 2, whose sliding-window layer verifies each draft token over its own window), one
+Per model (tiny Llama; tiny Gemma 2, whose sliding-window layer verifies each draft token over its own window; tiny
+Llama with 4 query heads per KV head, whose verify has 16 query rows per KV head: the C++ kernel's wide path), one
 engine (``serve.engine``, in a subprocess as in ``test_live_engine.py``, whose helpers this reuses) generates
 greedily for three prompts (one a repeated pattern) three times: as a batch, as the same batch again (the n-gram
 corpus now holds the first round's continuations, so most drafts match), then the first prompt alone. SGLang's
@@ -98,9 +99,10 @@ def _worker(spec: dict) -> dict:
 # --- pytest side ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma2", "tiny-llama-g4"])
 def reference(request, tmp_path_factory):
-    """A tiny checkpoint (Llama; Gemma 2, whose first layer is a sliding-window one: verify over a window), its
+    """A tiny checkpoint (Llama; Gemma 2, whose first layer is a sliding-window one: verify over a window; Llama
+    with 4 query heads per KV head: verify's 16 query rows per KV head take the C++ kernel's wide path), its
     transformers model and transformers' greedy continuation of each prompt: (preset, dir, model, tokens)."""
     d, model = reference_model(request.param, tmp_path_factory)
     return request.param, d, model, greedy_reference(model, prompts(), NEW_TOKENS)

@@ -17,7 +17,7 @@ def _tensors(d):
     return load_file(os.path.join(d, "model.safetensors"))
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v2", "tiny-gemma2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v2", "tiny-gemma2", "tiny-llama-g4"])
 def test_loads_in_transformers(preset, tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -108,6 +108,9 @@ PRESETS: dict[str, dict] = {
     "tiny-llama": _TINY_LLAMA,
     "tiny-deepseek-v2": _TINY_DEEPSEEK,
     "tiny-gemma2": _TINY_GEMMA2,
+    # 4 query heads per KV head, head size 32: verify with 4 draft tokens has 16 query rows per KV head (the C++
+    # kernel's wide path; its tile path with bf16 on AMX)
+    "tiny-llama-g4": dict(_TINY_LLAMA, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
     "llama-3-8b-2l": dict(_TINY_LLAMA, **_BIG, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                           num_key_value_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5),
     "deepseek-v2-lite-2l": dict(
@@ -117,7 +120,7 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_YARN_1, original_max_position_embeddings=4096)),
 }
 # Weight scale: a fixed std for the tiny presets (what their tests were checked with), 1/sqrt(fan_in) otherwise.
-_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2}
+_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2, "tiny-llama-g4": 0.2}
 # Gemma 2 reads its logits through the (scaled-up) input embedding: at the layers' scale each token's own embedding
 # dominated its logits and greedy decoding repeated one token; a smaller embedding leaves the layers in charge.
 _EMBED_STD = {"tiny-gemma2": 0.02}
