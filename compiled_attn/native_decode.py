@@ -228,7 +228,8 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each block's partial softmax (``decode_fused.fused_block_partials``' outputs), by the C++ kernel.
 
-    qs: [rows, Hkv, G, D] float32, scaled; block_req: [n] int64, the row of each block (every entry < rows);
+    qs: [rows, Hkv, G, D] float32 (a score is qs . K times k_scale: scaled queries, or ``kernel_queries`` with the
+    softmax scale in k_scale); block_req: [n] int64, the row of each block (every entry < rows);
     runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D],
     v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
     scales (1.0 for none); logit_cap: soft-cap, 0.0 for none; q_bf16_scale: ``bf16_query_scale``'s (0.0: the

@@ -55,8 +55,8 @@ static void weighted_v_any(int gn, int dn, const typename L::T* vb, const int64_
 
 // Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
 // row is read once, for all query rows of its head. DV: D / 16 for a compiled-in head size (the key row lives in
-// registers), else 0. q: qv [R, D] float32, the scaled queries times K's scale; with PAIRS (a bf16 query, D / 16
-// even, G a multiple of 4, AVX512-BF16) qb [R, D] bf16, q exactly (the scaled queries divided by the scale): each
+// registers), else 0. q: qv [R, D] float32, the queries times k_mul; with PAIRS (a bf16 query, D / 16
+// even, G a multiple of 4, AVX512-BF16) qb [R, D] bf16, q exactly (the queries divided by q_bf16_scale): each
 // key row is loaded as bf16 (a bf16 cache as it is, float8 converted exactly), two elements per lane multiplied
 // exactly and summed in float32, the sums then scaled by the scale times K's scale: half the instructions of the
 // float32 products and no conversion of a bf16 row.

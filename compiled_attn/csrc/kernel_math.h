@@ -1,6 +1,6 @@
-// Vector arithmetic shared by the decode kernel's two paths (block_partials.cpp, tile_blocks.h): 16-float
-// vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones), loaders from each cache dtype to
-// float32, horizontal sums, exp; and the Problem one kernel call solves.
+// Vector arithmetic shared by the decode kernel's paths (block_partials.cpp, tile_blocks.h, wide_blocks.h,
+// row_merge.h): 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones), loaders from
+// each cache dtype to float32, horizontal sums, exp; and the Problem one kernel call solves.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -172,7 +172,7 @@ static inline v16 vexp(v16 x) {
 }
 
 struct Problem {
-  const float* qs;           // [rows, hkv, G, D] scaled queries
+  const float* qs;           // [rows, hkv, G, D] queries: a score is qs . K times k_mul
   const int64_t* block_req;  // [n] query row of each block
   const int64_t* runs;       // [n, B / unit] first slot / unit of each run of unit consecutive slots
   const uint8_t* valid;      // [n, B]
@@ -207,20 +207,18 @@ static inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(a + c, 0, locality);
 }
 
-// The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding): the soft-cap on valid
-// scores, then with alpha == nullptr the block's own: m[r] = the max (the lowest float32 when no position is
-// valid), s = exp(s - m) (0 where s was -inf), l[r] = its sum; with alpha, continuing a running one (m, l in and
-// out; m the lowest float32 and l 0 before the first block): M = max(m, the scores), alpha[r] = e^(m - M) to
-// rescale what was summed, s = exp(s - M), l = l alpha + the sum, m = M.
-static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_io,
-                         float* l_io, float* alpha = nullptr) {
+// The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding; the vector path's layout):
+// the soft-cap on valid scores, then m[r] = the max (the lowest float32 when no position is valid), s = exp(s - m)
+// (0 where s was -inf), l[r] = its sum.
+static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_out,
+                         float* l_out) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * Bp;
     if (cap > 0.f)
       for (int64_t p = 0; p < B; ++p)
         if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
     for (int64_t p = B; p < Bp; ++p) sr[p] = -INFINITY;
-    v16 mx = splat(alpha ? m_io[r] : -INFINITY);
+    v16 mx = splat(-INFINITY);
     for (int64_t p = 0; p < Bp; p += 16) {
       v16 x = loadf(sr + p);
       mx = x > mx ? x : mx;
@@ -235,13 +233,8 @@ static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, in
       storef(sr + p, e);
       sum += e;
     }
-    if (alpha) {
-      alpha[r] = std::exp(m_io[r] - m);
-      l_io[r] = l_io[r] * alpha[r] + hsum(sum);
-    } else {
-      l_io[r] = hsum(sum);
-    }
-    m_io[r] = m;
+    l_out[r] = hsum(sum);
+    m_out[r] = m;
   }
 }
 

@@ -77,8 +77,8 @@ struct TileScratch {
   }
 };
 
-// The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the scaled float32
-// queries divided by the scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
+// The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the float32
+// queries divided by q_bf16_scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
 // chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1.
 static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
   const int64_t D = pr.D, G = pr.G, gt = std::min<int64_t>(G, 16), groups = G / gt, chunks = D / 32;

@@ -19,7 +19,7 @@ constexpr int64_t kWideSpan = 64;  // positions of V converted to float32 at a t
 struct WideScratch {
   int64_t groups = 0, q_row = -1;  // q_row: the row whose queries qt holds
   ColumnState cs;
-  std::vector<float> qt;       // [hkv, groups, D, 16] the scaled queries times K's scale, lanes = query rows
+  std::vector<float> qt;       // [hkv, groups, D, 16] the queries times k_mul, lanes = query rows
   std::vector<float> kf, vf;   // [8, D] key rows as float32; [kWideSpan, Dv] value rows (not for a float32 cache)
   std::vector<int64_t> ids;    // [Bp] the block's valid positions
   std::vector<const float*> vp;  // [kWideSpan] a span's value rows as float32 (in the cache, or in vf)
