@@ -189,6 +189,11 @@ static int run_blocks(const Problem& pr) {
     row_items[pr.rows] = (int64_t)item_start.size();
   }
   const int64_t items = pr.out ? (int64_t)item_start.size() : pr.n;
+  // the merged form's items longest first (the threads take them in turn: a long one left for last kept the other
+  // thread waiting at the merge)
+  std::vector<int64_t> by_size(pr.out ? items : 0);
+  for (int64_t i = 0; i < (int64_t)by_size.size(); ++i) by_size[i] = i;
+  std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) { return item_count[a] > item_count[b]; });
   const bool tiles = tiles_fit<L>(pr), wide = !tiles && wide_fit(pr);
   // a bf16 query's scores by bf16 pair dot products where the vector path serves it
 #if defined(__AVX512BF16__)
@@ -199,12 +204,13 @@ static int run_blocks(const Problem& pr) {
   // the tile path's queries, packed once per call for every row a block reads
   int64_t nrows = 0;
   for (int64_t j = 0; j < used && tiles; ++j) nrows = std::max(nrows, pr.block_req[block_at(j)] + 1);
-  std::vector<uint16_t> qt(tiles ? nrows * R * D : 0);
+  Scratch<uint16_t> qt;  // every row a block reads is packed before use
+  qt.resize(tiles ? nrows * R * D : 0);
   std::atomic<int> outside{0};
 #pragma omp parallel num_threads(pr.threads)
   {
     const bool vector = !tiles && !wide;
-    std::vector<float> s(vector ? R * Bp : 0), qv(vector && !pairs ? R * D : 0), bm(R), bl(R), bo(pr.out ? R * Dv : 0);
+    std::vector<float> s(vector ? R * Bp : 0), qv(vector && !pairs ? R * D : 0), bm(R), bl(R), bo(pr.out && vector ? R * Dv : 0);
     std::vector<uint16_t> qb(pairs ? R * D : 0);
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
@@ -228,7 +234,8 @@ static int run_blocks(const Problem& pr) {
     WideScratch ws;
     if (wide) ws.start(pr, Bp);
 #pragma omp for schedule(dynamic, pr.out ? 1 : 2)
-    for (int64_t it = 0; it < items; ++it) {
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t it = pr.out ? by_size[i] : i;
       const int64_t j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
       const int64_t b0 = block_at(j0);
       int cur = 0;

@@ -9,19 +9,20 @@
 // One thread's running softmax over the blocks of a work item.
 struct ColumnState {
   int64_t nsb = 0;                 // score blocks
-  std::vector<float> st;           // [nsb, Bp, 16] the block's scores (the wide path: then its weights)
+  Scratch<float> st;               // [nsb, Bp, 16] the block's scores (the wide path: then its weights)
   std::vector<float> m, l, alpha;  // [nsb, 16] per lane the running max (scores' units), sum, the block's rescale
-  std::vector<float> acc;          // [R, Dv] the running weighted V sums
+  Scratch<float> acc;              // [R, Dv] the running weighted V sums
   std::vector<uint8_t> live;       // [Bp / 32] whether a 32-position chunk holds a valid position
 
   void start(int64_t n, int64_t Bp, int64_t R, int64_t Dv) {
     nsb = n;
-    st.assign(nsb * Bp * 16, 0.0f);  // lanes no query row writes stay finite
+    st.resize(nsb * Bp * 16);
+    if (nsb * 16 != R) std::fill(st.data(), st.data() + nsb * Bp * 16, 0.0f);  // lanes no query row writes stay finite
     m.resize(nsb * 16), l.resize(nsb * 16), alpha.resize(nsb * 16), acc.resize(R * Dv), live.resize(Bp / 32);
   }
   void begin_item() {
     std::fill(m.begin(), m.end(), -FLT_MAX), std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc.data(), acc.data() + acc.n, 0.0f);
   }
 };
 

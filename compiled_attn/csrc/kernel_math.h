@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -198,7 +199,22 @@ struct Problem {
   int64_t nd, tokens;
 };
 
-constexpr int64_t kPrefetch = 4;  // key positions ahead: random rows (page size 1) come from memory, not a stream
+// A per-call buffer left uninitialised (every element is written before it is read): a std::vector's zero fill of
+// the tile path's buffers was a memset of megabytes per call.
+template <class T>
+struct Scratch {
+  std::unique_ptr<T[]> p;
+  int64_t n = 0;
+  void resize(int64_t size) {
+    if (size > n) p.reset(new T[size]), n = size;
+  }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+  const T& operator[](int64_t i) const { return p[i]; }
+};
+
+constexpr int64_t kPrefetch = 2;  // key positions ahead: random rows (page size 1) come from memory, not a stream
 
 // Prefetches the lines of `bytes` bytes at p (locality 3: into L1; 2: into L2).
 template <int locality = 3>

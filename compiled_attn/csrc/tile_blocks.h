@@ -115,6 +115,14 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
           _tile_zero(5);
         }
         for (int64_t c = 0; c < chunks; ++c) {
+          if (!two && (c & 1)) {  // one row group: this chunk's tiles in 4, 5 and 7 (TileScratch::start)
+            TILE_LOAD(4, k0 + 32 * c, s0);
+            TILE_LOAD(5, k1 + 32 * c, s1);
+            TILE_LOAD(7, q0 + c * 32 * gt, gt * 4);
+            _tile_dpbf16ps(0, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+            continue;
+          }
           TILE_LOAD(1, k0 + 32 * c, s0);
           TILE_LOAD(6, k1 + 32 * c, s1);
           TILE_LOAD(2, q0 + c * 32 * gt, gt * 4);
@@ -223,20 +231,14 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
               if (!ts.cs.live[c0 / 32]) continue;
               TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
               const uint16_t* vb = ts.vt.data() + (c0 - s0) / 2 * Dv * 2 + 32 * j0;
-              TILE_LOAD(1, vb, Dv * 4);
-              _tile_dpbf16ps(3, 7, 1);
-              if (jn > 1) {
-                TILE_LOAD(1, vb + 32, Dv * 4);
-                _tile_dpbf16ps(4, 7, 1);
-              }
-              if (jn > 2) {
-                TILE_LOAD(1, vb + 64, Dv * 4);
-                _tile_dpbf16ps(5, 7, 1);
-              }
-              if (jn > 3) {
-                TILE_LOAD(1, vb + 96, Dv * 4);
-                _tile_dpbf16ps(6, 7, 1);
-              }
+              TILE_LOAD(0, vb, Dv * 4);
+              if (jn > 1) TILE_LOAD(1, vb + 32, Dv * 4);
+              _tile_dpbf16ps(3, 7, 0);
+              if (jn > 2) TILE_LOAD(2, vb + 64, Dv * 4);
+              if (jn > 1) _tile_dpbf16ps(4, 7, 1);
+              if (jn > 3) TILE_LOAD(0, vb + 96, Dv * 4);
+              if (jn > 2) _tile_dpbf16ps(5, 7, 2);
+              if (jn > 3) _tile_dpbf16ps(6, 7, 0);
             }
             _tile_stored(3, o, Dv * 4);
             if (jn > 1) _tile_stored(4, o + 16, Dv * 4);

@@ -43,9 +43,9 @@ struct TileScratch {
   int64_t gt = 0, groups = 0, lanes = 0, per = 0;  // lanes per group in a score block, groups per block
   ColumnState cs;             // scores (raw products: the scale goes into the exp), running softmax, sums (the
                               // columns in tile order)
-  std::vector<uint16_t> kt;   // [hkv, 32, D] one 32-position chunk's key rows, where staged
-  std::vector<uint16_t> vt;   // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
-  std::vector<uint16_t> pt;   // [R, Bp] the block's softmax weights, bf16
+  Scratch<uint16_t> kt;       // [hkv, 32, D] one 32-position chunk's key rows, where staged
+  Scratch<uint16_t> vt;       // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
+  Scratch<uint16_t> pt;       // [R, Bp] the block's softmax weights, bf16
   TileConfig scores{}, sums{};
 
   void start(const Problem& pr, int64_t Bp) {
@@ -63,9 +63,12 @@ struct TileScratch {
     // Q^T tiles (16 column pairs x gt rows): four independent products in flight, not one chain
     for (int i : {0, 3, 4, 5, 2, 7}) scores.rows[i] = 16, scores.colsb[i] = (uint16_t)(4 * gt);
     for (int i : {1, 6}) scores.rows[i] = 16, scores.colsb[i] = 64;
-    // V sums: V (16 position pairs x 16 columns) in tile 1, O in tiles 3-6 (gt rows x 16 float32 columns), P in 7
-    // (gt rows x 32 positions, bf16)
-    sums.rows[1] = 16, sums.colsb[1] = 64;
+    // one row group per head: tiles 4 and 5 (no accumulators then) take every other chunk's K, and 7 its Q^T, so
+    // that loading one chunk's tiles need not wait for the products still reading the other's
+    if (groups == 1) scores.colsb[4] = scores.colsb[5] = 64;
+    // V sums: V (16 position pairs x 16 columns) in tiles 0-2 in turn, O in tiles 3-6 (gt rows x 16 float32
+    // columns), P in 7 (gt rows x 32 positions, bf16)
+    for (int i : {0, 1, 2}) sums.rows[i] = 16, sums.colsb[i] = 64;
     for (int i = 3; i < 8; ++i) sums.rows[i] = (uint8_t)gt, sums.colsb[i] = 64;
   }
   static void load(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
