@@ -118,8 +118,10 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
             const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
             const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
             for (int64_t d = 0; d < D; d += 16) storef(ws.kf.data() + u * D + d, L::load(kr + d));
-            if (i + U + u < n)
-              prefetch_lines(kc + slot[ws.ids[i + U + u]] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+            // the key rows two steps ahead (past the head's last, the next head's first)
+            const int64_t a = i + 2 * U + u, ah = a < n ? h : h + 1, ai = a < n ? a : a - n;
+            if (ah < hkv && ai < n)
+              prefetch_lines(kc + slot[ws.ids[ai]] * pr.k_row + ah * pr.k_head, D * (int64_t)sizeof(T));
           }
           v16 s[8];
           if (two) wide_products<4, 2>(ws.kf.data(), q, D, s);
@@ -129,7 +131,17 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
               storef(cs.st.data() + ((h * groups + t + tt) * Bp + ws.ids[i + u]) * 16, s[u * (two ? 2 : 1) + tt]);
         }
       }
+    // value rows come into L1 a slice at a time during arithmetic that reads no memory of its own (read on demand,
+    // the V sums waited on them): head 0's first span during the softmax, each next span (or the next head's
+    // first) during a span's sums. Slice `call` of `calls`: every calls-th position.
+    auto fetch_values = [&](int64_t h, int64_t j0, int64_t j1, int64_t call, int64_t calls) {
+      for (int64_t j = j0 + call; j < j1; j += calls)
+        prefetch_lines(vc + slot[ws.ids[j]] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
+    };
+    int64_t emits = 0;
+    const int64_t live_chunks = cs.nsb * ((c_hi - c_lo) / 32);  // at most: dead chunks emit nothing
     column_softmax(pr, val, c_lo, c_hi, Bp, 1.0f, cs, [&](int64_t sb, int64_t c0, v16* e) {
+      fetch_values(0, 0, std::min(n, kWideSpan), emits++, live_chunks);
       for (int i = 0; i < 32; ++i) storef(cs.st.data() + (sb * Bp + c0 + i) * 16, e[i]);
     });
     if (!first) rescale_sums(cs, Dv, row_of);
@@ -148,12 +160,16 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
             ws.vp[i - i0] = ws.vf.data() + (i - i0) * Dv;
           }
         }
+        const int64_t next_h = i1 < n ? h : h + 1, next_i0 = i1 < n ? i1 : 0;  // the span after this one
+        const int64_t calls = groups * ((Dv + 63) / 64) * 4;
+        int64_t call = 0;
         for (int64_t t = 0; t < groups; ++t) {
           const int64_t sb = h * groups + t;
           const float* w = cs.st.data() + sb * Bp * 16;
           for (int64_t cb = 0; cb < Dv; cb += 64) {
             const int64_t nch = std::min<int64_t>(4, (Dv - cb) / 16);
             for (int64_t rr = 0; rr < 16; rr += 4) {
+              if (next_h < hkv) fetch_values(next_h, next_i0, std::min(n, next_i0 + kWideSpan), call++, calls);
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
               const int64_t* id = ws.ids.data() + i0;
