@@ -37,7 +37,7 @@ from .inplace_flash import index_in_place
 from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, kernel_queries, native_decode_blocks, native_fits
+from .native_decode import bf16_query_scale, native_decode_blocks, native_fits
 from .opaque import opaque_op
 
 
@@ -259,11 +259,10 @@ def decode_blocks(
     native = native is not False and native_fits(q, k_cache, v_cache)
     if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native and index.single is None):
         if native:  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
-            ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (kernel_queries says why)
-            out = native_decode_blocks(kernel_queries(q, hkv, 1), index.block_req, index.runs, index.valid,
-                                       index.unit, k_cache, v_cache, ks * scale, vs, logit_cap or 0.0, bs,
-                                       sinks_by_kv_head(sinks, hkv, hq), bf16_query_scale(q, k_cache, 1.0))
-            return out.reshape(bs, hq, dv).to(q.dtype)
+            ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
+            return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
+                                        ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
+                                        bf16_query_scale(q, k_cache, 1.0))
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
                                                     v_scale)
         out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))

@@ -110,8 +110,7 @@ def scaled_queries(q: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Te
     """q [bs, Hq, D] (any float dtype) -> [bs, Hkv, Hq // Hkv, D] float32, scaled, grouped by KV head. An op of its
     own so that the fused kernel starts from a stored buffer: with q's producers (rotary embedding, projections)
     folded in, every layer of a model compiled its own variant of the attention kernel, one C++ compile of seconds
-    each at a cold start; this way the layers share one. (The C++ kernel's callers use
-    ``native_decode.kernel_queries``.)"""
+    each at a cold start; this way the layers share one. (The C++ kernel's merged op reads q as it is.)"""
     bs, hq, d = q.shape
     return q.reshape(bs, num_kv_heads, hq // num_kv_heads, d).float().mul(scale)
 

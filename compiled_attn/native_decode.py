@@ -42,7 +42,9 @@ CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64]
+             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, ctypes.c_int]
+#: the query dtypes the merged op reads as they are, by the kind number it takes (its output: float32 or bfloat16)
+QUERY_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def cache_dir() -> Path:
@@ -128,36 +130,13 @@ def native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and native_available())
 
 
-@opaque_op
-def kernel_queries(q: torch.Tensor, num_kv_heads: int, tokens: int) -> torch.Tensor:
-    """q [bs * tokens, Hq, D] (any float dtype; request b's ``tokens`` query tokens at rows ``b * tokens ..``) ->
-    [bs, Hkv, tokens * group, D] float32, the kernel's rows: row ``t * group + g`` of KV head h is token t's query
-    head ``h * group + g`` (decode: tokens = 1). One copy, unscaled: callers fold the softmax scale into the
-    kernel's ``k_scale`` (it multiplies the queries by K's scale anyway), where a scaled copy in this layout took a
-    transposing copy, a conversion and a multiplication. An op of its own so that the kernel starts from a stored
-    buffer: with q's producers (rotary embedding, projections) folded in, every layer of a model compiled its own
-    variant of the code around the kernel."""
-    n, hq, d = q.shape
-    group = hq // num_kv_heads
-    out = q.new_empty((n // tokens, num_kv_heads, tokens * group, d), dtype=torch.float32)
-    out.view(n // tokens, num_kv_heads, tokens, group, d).copy_(
-        q.view(n // tokens, tokens, num_kv_heads, group, d).transpose(1, 2))
-    return out
-
-
-@torch.library.register_fake(kernel_queries)
-def _kernel_queries_fake(q, num_kv_heads, tokens):
-    n, hq, d = q.shape
-    return q.new_empty((n // tokens, num_kv_heads, tokens * (hq // num_kv_heads), d), dtype=torch.float32)
-
-
 #: caches whose values bfloat16 holds exactly: with a bf16 query the kernel may take its tile path
 TILE_KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def bf16_query_scale(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> float:
-    """The kernel's ``q_bf16_scale`` for its float32 queries q times ``scale`` (``scaled_queries(q, ..., scale)``,
-    or ``kernel_queries(q, ...)`` with scale 1): ``scale`` when q is bf16 and the
+    """The kernel's ``q_bf16_scale`` for its queries q times ``scale`` (``scaled_queries(q, ..., scale)``, or q
+    itself with scale 1, as ``native_decode_blocks`` takes it): ``scale`` when q is bf16 and the
     cache one of ``TILE_KV_DTYPES``, so the kernel may take the query back to bf16 exactly and run the block as bf16
     tile products (AMX, where the CPU has it: ``csrc/tile_blocks.h``; the softmax weights rounded to bf16 for the V
     sum, float32 sums), else 0.0 (float32 products)."""
@@ -193,27 +172,30 @@ def native_available() -> bool:
     return library() is not None
 
 
-def _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
-         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None) -> None:
-    """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors."""
-    n, (_, hkv, g, d), dv = block_req.shape[0], qs.shape, v_cache.shape[2]
+def _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
+         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None, tokens=1) -> None:
+    """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors: q [rows, Hkv, G, D] float32
+    (tokens 1, the partials form) or, with out, token-major [num_rows * tokens, Hq, D] as ``native_decode_blocks``'."""
+    n, hkv, d, dv = block_req.shape[0], k_cache.shape[1], q.shape[-1], v_cache.shape[2]
+    g = q.shape[2] if q.dim() == 4 else tokens * q.shape[1] // hkv
     if n == 0 and draft_slots is None:
         return
-    nd, tokens = (0, 0) if draft_slots is None else (draft_slots.shape[1], draft_mask.shape[1])
+    nd, mask_tokens = (0, 0) if draft_slots is None else (draft_slots.shape[1], draft_mask.shape[1])
     rc = library().ca_block_partials(
-        KINDS[k_cache.dtype], qs.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
+        KINDS[k_cache.dtype], q.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
         m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
         None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
         min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if draft_slots is None else draft_slots.data_ptr(),
-        None if draft_mask is None else draft_mask.data_ptr(), nd, tokens)
+        None if draft_mask is None else draft_mask.data_ptr(), nd, mask_tokens, QUERY_KINDS[q.dtype], tokens,
+        int(out is not None and out.dtype == torch.bfloat16))
     if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
         raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
                          f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
     if rc != 0:
-        raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16 and the cache a dtype "
-                         f"of {list(KINDS)}")
+        raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16, the cache a dtype "
+                         f"of {list(KINDS)} and the query one of {list(QUERY_KINDS)}")
 
 
 def _partials_like(qs: torch.Tensor, n: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,7 +210,7 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each block's partial softmax (``decode_fused.fused_block_partials``' outputs), by the C++ kernel.
 
-    qs: [rows, Hkv, G, D] float32 (a score is qs . K times k_scale: scaled queries, or ``kernel_queries`` with the
+    qs: [rows, Hkv, G, D] float32 (a score is qs . K times k_scale: scaled queries, or unscaled ones with the
     softmax scale in k_scale); block_req: [n] int64, the row of each block (every entry < rows);
     runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D],
     v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
@@ -251,8 +233,9 @@ def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cac
     return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
 
 
-def _check_draft(qs, num_rows, draft_slots, draft_mask):
-    """The draft keys' tensors as the kernel reads them (contiguous; the mask as bytes), or ValueError."""
+def _check_draft(g, num_rows, draft_slots, draft_mask):
+    """The draft keys' tensors as the kernel reads them (contiguous; the mask as bytes), or ValueError (g: query
+    rows per KV head)."""
     if draft_slots is None and draft_mask is None:
         return None, None
     if draft_slots is None or draft_mask is None:
@@ -260,7 +243,7 @@ def _check_draft(qs, num_rows, draft_slots, draft_mask):
     if draft_slots.dtype != torch.int64 or draft_slots.dim() != 2 or draft_slots.shape[0] < num_rows:
         raise ValueError(f"draft_slots must be int64 [>= num_rows={num_rows}, nd], got {draft_slots.dtype} "
                          f"{tuple(draft_slots.shape)}")
-    nd, g = draft_slots.shape[1], qs.shape[2]
+    nd = draft_slots.shape[1]
     if (draft_mask.dim() != 3 or draft_mask.shape[0] < num_rows or draft_mask.shape[2] != nd or draft_mask.shape[1] < 1
             or g % draft_mask.shape[1]):
         raise ValueError(f"draft_mask must be [>= num_rows={num_rows}, tokens dividing G={g}, nd={nd}], got "
@@ -268,38 +251,54 @@ def _check_draft(qs, num_rows, draft_slots, draft_mask):
     return draft_slots.contiguous(), draft_mask.to(torch.bool).contiguous()
 
 
+def _check_queries(q, num_rows, tokens, hkv):
+    """q's query rows per KV head (G = tokens x group), or ValueError."""
+    if q.dtype not in QUERY_KINDS or q.dim() != 3 or q.shape[0] != num_rows * tokens or q.shape[1] % hkv:
+        raise ValueError(f"q must be [num_rows * tokens = {num_rows * tokens}, Hq (a multiple of Hkv={hkv}), D] in "
+                         f"one of {list(QUERY_KINDS)}, got {q.dtype} {tuple(q.shape)}")
+    return tokens * (q.shape[1] // hkv)
+
+
 @opaque_op
-def native_decode_blocks(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
+def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
                          logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
                          q_bf16_scale: float = 0.0, draft_slots: torch.Tensor | None = None,
-                         draft_mask: torch.Tensor | None = None) -> torch.Tensor:
+                         draft_mask: torch.Tensor | None = None, tokens: int = 1) -> torch.Tensor:
     """The whole decode by the C++ kernel: ``native_block_partials`` over the blocks whose ``block_req`` is below
     ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of them,
-    in one call. Arguments as ``native_block_partials``; sinks: [Hkv, G] float32 logits or None.
+    in one call. q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` query
+    tokens at ``r * tokens ..``; decode: tokens = 1), as the model holds it: the kernel groups a row's tokens by KV
+    head itself, its rows ``t * group + g`` of KV head h being token t's head ``h * group + g`` (a score is q . K
+    times k_scale: the softmax scale rides on k_scale); other arguments as ``native_block_partials``; sinks:
+    [Hkv, G] float32 logits or None (G = tokens x group).
     Verify's draft block joins each row's merge: draft_slots [>= num_rows, nd] int64, the KV slots of a row's nd
     keys beyond its blocks (its draft tokens', after a window's edge keys), draft_mask [>= num_rows, tokens, nd]
-    bool, which of them each of its ``tokens`` query tokens sees (query row i of a KV head is token
-    i // (G // tokens)).
-    -> [num_rows, Hkv, G, Dv] float32 (zeros for a row with no key).
+    bool, which of them each of its query tokens sees (query row i of a KV head is token i // group).
+    -> [num_rows * tokens, Hq, Dv] in q.dtype, token-major as q (zeros for a row with no key).
 
     Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
     outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
     merged straight from the kernel's scratch, and a step makes one op call instead of four. The same for verify's
-    draft block (as ATen ops: gathers of the draft keys, two batched matmuls and the join)."""
+    draft block (as ATen ops: gathers of the draft keys, two batched matmuls and the join), and for the queries'
+    and the output's layouts (a grouping copy before the kernel and a transposing cast after it)."""
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    g = _check_queries(q, num_rows, tokens, hkv)
     sinks = None if sinks is None else sinks.float().contiguous()
-    draft_slots, draft_mask = _check_draft(qs, num_rows, draft_slots, draft_mask)
-    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    out = qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+    draft_slots, draft_mask = _check_draft(g, num_rows, draft_slots, draft_mask)
+    q, block_req, runs, valid = q.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
+    # the kernel writes float32 or bfloat16 (rounded as torch rounds); a float16 result is cast from float32
+    out = q.new_empty((*q.shape[:2], dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if block_req.shape[0] == 0 and draft_slots is None:  # the kernel is not called: nothing to merge
-        return out.zero_()
-    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
-         out, q_bf16_scale, draft_slots, draft_mask)
-    return out
+        return out.zero_().to(q.dtype)
+    m, lsum = (q.new_empty((block_req.shape[0], hkv, g), dtype=torch.float32) for _ in range(2))
+    o = q.new_empty((block_req.shape[0], hkv, g, dv), dtype=torch.float32)
+    _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
+         out, q_bf16_scale, draft_slots, draft_mask, tokens)
+    return out.to(q.dtype)
 
 
 @torch.library.register_fake(native_decode_blocks)
-def _native_decode_blocks_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                               num_rows, sinks=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None):
-    return qs.new_empty((num_rows, *qs.shape[1:3], v_cache.shape[2]))
+def _native_decode_blocks_fake(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                               num_rows, sinks=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None, tokens=1):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[2]))

@@ -55,7 +55,6 @@ from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
 from .metadata import DecodeInputs
 from .native_decode import (
     bf16_query_scale,
-    kernel_queries,
     native_decode_blocks,
     native_fits,
     tiles_serve,
@@ -295,11 +294,10 @@ def verify_blocks(
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
     if fused and native:  # the prefix blocks and the draft block, merged, in one call of the kernel
         p = index.prefix
-        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (kernel_queries says why)
-        out = native_decode_blocks(kernel_queries(q, hkv, k), p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache,
-                                   ks * scale, vs, logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
-                                   index.draft_slots, index.draft_mask)
-        return _token_major(out, k, q.dtype)
+        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
+        return native_decode_blocks(q, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache, ks * scale, vs,
+                                    logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
+                                    index.draft_slots, index.draft_mask, k)
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
     if cpu_flash:

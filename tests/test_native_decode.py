@@ -111,9 +111,12 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
 
     if platform.machine() != "x86_64":
         pytest.skip("x86 instruction sets")
+    from compiled_attn.native_decode import native_decode_blocks
+
     lib = native_decode.load(native_decode.build(out_dir=tmp_path, march=march))
     for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
+        b_bf16, index_bf16 = b, index
         # a bf16 query with its scale: the native build's bf16 pair products (AVX512-BF16), exact as these builds'
         # float32 ones
         for q, q_scale in ((b.q, 0.0), (b.q.bfloat16(), 0.1)):
@@ -137,6 +140,21 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
             got = native_block_partials(*args)
         for w, g in zip(want, got, strict=True):  # a build without FMA rounds each product
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # the merged op on a token-major query (2 tokens per row, 2 heads each per KV head) in each query dtype: the same
+    # float32 arithmetic, the output in q's dtype, bf16 rounded as torch rounds (without AVX512-BF16: by moving bits)
+    q = torch.randn(4, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    args = (index_bf16.block_req, index_bf16.runs, index_bf16.valid, index_bf16.unit, b_bf16.k_cache, b_bf16.v_cache,
+            0.1, 1.0, 0.0, 2, None, 0.0, None, None, 2)
+    outs = []
+    for library in (native_decode.library(), lib):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native_decode, "library", lambda library=library: library)
+            out = {dt: native_decode_blocks(q.to(dt), *args) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        assert out[torch.bfloat16].dtype == torch.bfloat16 and out[torch.float16].dtype == torch.float16
+        assert torch.equal(out[torch.bfloat16], out[torch.float32].bfloat16())
+        assert torch.equal(out[torch.float16], out[torch.float32].half())
+        outs.append(out[torch.float32])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert lib.ca_tiles_available() == 0  # no AMX in these instruction sets: the vector path serves every call
 
 
@@ -215,7 +233,8 @@ def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_s
     runs = torch.cat([index.runs[:n], torch.full((5, index.runs.shape[1]), 10 ** 9)])  # never read
     valid = torch.cat([index.valid[:n], torch.ones(5, index.valid.shape[1], dtype=torch.bool)])
     sinks = torch.randn(2, 4) if with_sinks else None
-    out = native_decode_blocks(qs, block_req, runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, rows, sinks)
+    out = native_decode_blocks(qs.flatten(1, 2), block_req, runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
+                               rows, sinks).unflatten(1, (2, -1))  # q token-major, one token per row: [rows, Hq, D]
     m, lsum, o = native_block_partials(qs, block_req[:n], runs[:n], valid[:n], 1, b.k_cache, b.v_cache, 1.0, 1.0,
                                        0.0)
     torch.testing.assert_close(out, merge_partials(m, lsum, o, block_req[:n], rows, sinks), atol=1e-6, rtol=1e-5)
@@ -250,16 +269,16 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
         native_block_partials(qs, index.block_req[:n], runs[:n], index.valid[:n], index.unit, b.k_cache,
                               b.v_cache, 1.0, 1.0, 0.0, q_scale)
     with pytest.raises(ValueError, match="outside the cache"):
-        native_decode_blocks(qs, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0,
-                             0.0, 2, None, q_scale)
+        native_decode_blocks(qs.flatten(1, 2), index.block_req, runs, index.valid, index.unit, b.k_cache,
+                             b.v_cache, 1.0, 1.0, 0.0, 2, None, q_scale)
     # a draft key some token sees (verify's draft block, merged in the same op); one no token sees is never read
     slots = torch.tensor([[3, b.k_cache.shape[0] + 7], [5, 6]])
     shows = torch.tensor([[[True, False]], [[True, True]]])
     draft = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2, None,
              q_scale, slots)
-    native_decode_blocks(qs, *draft, shows)
+    native_decode_blocks(qs.flatten(1, 2), *draft, shows)
     with pytest.raises(ValueError, match="outside the cache"):
-        native_decode_blocks(qs, *draft, torch.ones_like(shows))
+        native_decode_blocks(qs.flatten(1, 2), *draft, torch.ones_like(shows))
 
 
 tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
@@ -324,7 +343,9 @@ def test_draft_keys_join_each_rows_merge(bf16, page_size):
     query token sees those ``draft_mask`` shows it (query row i of a KV head is token i // (G // tokens)), merged
     into one softmax, against float64 with sinks and a soft-cap; a row with no block and no key it sees gives
     zeros, a bucket's unused blocks are skipped. With a bf16 query and 16 rows per KV head its blocks take the tile
-    path where there is one (the draft keys are float32 arithmetic on every path)."""
+    path where there is one (the draft keys are float32 arithmetic on every path). The op reads q token-major as
+    verify holds it (a row's 4 tokens x 8 heads; bf16 as it is, the softmax scale in k_scale) and writes its output
+    so, in q's dtype (bf16 rounded as torch rounds)."""
     from compiled_attn.native_decode import native_decode_blocks
 
     lens, tokens, nd = [40, 130, 3], 4, 6
@@ -345,8 +366,12 @@ def test_draft_keys_join_each_rows_merge(bf16, page_size):
     shows[3] = False
     sinks = torch.randn(2, 16, generator=g)
     for cap, sink in ((0.0, None), (4.0, sinks)):
-        out = native_decode_blocks(qs, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, cap, rows,
-                                   sink, 0.125 if bf16 else 0.0, slots, shows)
+        # token t's head h * 4 + g is row (h, t * 4 + g) of qs: [rows * tokens, 8, D], unscaled
+        q_tokens = (qs / 0.125).view(rows, 2, tokens, 4, -1).transpose(1, 2).reshape(rows * tokens, 8, -1).to(q.dtype)
+        out = native_decode_blocks(q_tokens, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 0.125, 1.0,
+                                   cap, rows, sink, 1.0 if bf16 else 0.0, slots, shows, tokens)
+        assert out.dtype == q.dtype and out.shape == (rows * tokens, 8, 64)
+        out = out.view(rows, tokens, 2, 4, 64).transpose(1, 2).reshape(rows, 2, 16, 64)  # as qs's rows
         assert (out[3] == 0).all()
         for r, length in enumerate(lens):
             keys = torch.cat([b.req_to_token[b.rows[r], :length].long(), slots[r]])

@@ -281,14 +281,15 @@ static int run_blocks(const Problem& pr) {
     if (tiles) ts.finish();
     if (pr.out) {
       const bool draft = pr.draft_slots != nullptr;
-      std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0);
+      std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv);
       DraftScratch ds;
       if (draft) ds.start(pr);
 #pragma omp for schedule(dynamic, 4)
       for (int64_t r = 0; r < pr.rows; ++r) {
         if (draft && !draft_partial<L>(pr, r, ds, dm.data(), dl.data(), dout.data()))
           outside.store(1, std::memory_order_relaxed);
-        merge_row(pr, r, row_items.data(), item_block.data(), draft ? dm.data() : nullptr, dl.data(), dout.data());
+        merge_row(pr, r, row_items.data(), item_block.data(), draft ? dm.data() : nullptr, dl.data(), dout.data(),
+                  acc.data());
       }
     }
   }
@@ -303,27 +304,52 @@ static int run_head_size(const Problem& pr) {
   return run_blocks<L, 0>(pr);
 }
 
-// kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. m, l, o: the blocks' partials (the
-// output, or the merged form's scratch); out: nullptr, or the merged form's [rows, hkv, G, Dv] (sinks may be
-// nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when qs is a bfloat16 query times this scale (the tile
-// path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out, nullptr or [rows,
-// nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd] shows them to its
-// token i / (G / tokens) (verify's draft block: row_merge.h). Returns 0; 1 when a head size is not a multiple of
-// 16, 2 for an unknown kind (the caller checks both before calling); 3 when a valid position's (or a seen draft
-// key's) slot lay outside the caches (left out of the result, never read).
-extern "C" int ca_block_partials(int kind, const float* qs, const int64_t* block_req, const int64_t* runs,
+// The queries as the kernel reads them, [rows, hkv, G, D] float32, from q token-major [rows * tokens, hkv * G /
+// tokens, D] (query row h * G + t * (G / tokens) + g of row r is token r * tokens + t's head h * G / tokens + g) in
+// its stored format (L: F32, BF16, F16).
+template <class L>
+static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows, int64_t hkv, int64_t G, int64_t D,
+                           float* qs, int threads) {
+  const int64_t per_token = G / tokens, R = hkv * G;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows * R; ++i) {
+    const int64_t r = i / R, h = i % R / G, t = i % G / per_token, g = i % per_token;
+    const typename L::T* src = q + ((r * tokens + t) * hkv * per_token + h * per_token + g) * D;
+    for (int64_t d = 0; d < D; d += 16) storef(qs + i * D + d, L::load(src + d));
+  }
+}
+
+// kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. q: the queries (a score is q . K times
+// k_scale), of kind q_kind (0-2), [rows, hkv, G, D] (q_tokens 1) or, in the merged form, token-major with q_tokens
+// query tokens per row (gather_queries); m, l, o: the blocks' partials (the output, or the merged form's scratch);
+// out: nullptr, or the merged form's output, token-major as q (Problem::out), bfloat16 where out_bf16 else float32
+// (sinks may be nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when q is a bfloat16 query times this
+// scale (the tile path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out,
+// nullptr or [rows, nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd]
+// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h). Returns 0; 1 when a head size is
+// not a multiple of 16, 2 for an unknown kind or query layout (the caller checks these before calling); 3 when a
+// valid position's (or a seen draft key's) slot lay outside the caches (left out of the result, never read).
+extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
                                  int64_t Dv, int64_t B, int64_t unit, float k_scale, float v_scale, float cap,
                                  float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
-                                 float* out, int64_t num_slots, float q_bf16_scale,
+                                 void* out, int64_t num_slots, float q_bf16_scale,
                                  const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
-                                 int64_t tokens) {
+                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16) {
   if (D % 16 || Dv % 16) return 1;
+  if (q_kind < 0 || q_kind > 2 || q_tokens < 1 || G % q_tokens || ((q_kind || q_tokens > 1) && !out)) return 2;
+  Scratch<float> qs;  // the queries converted and grouped, unless q is that already
+  if (q_kind || q_tokens > 1) {
+    qs.resize(rows * hkv * G * D);
+    if (q_kind == 0) gather_queries<F32>(static_cast<const float*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
+    if (q_kind == 1) gather_queries<BF16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
+    if (q_kind == 2) gather_queries<F16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
+  }
   const float f = kind == 3 ? 256.0f : 1.0f;
-  Problem pr{qs, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head, n, hkv, G, D, Dv, B, unit, num_slots,
-             k_scale * f, v_scale * f, cap, m, l, o, threads, rows, sinks, out, q_bf16_scale,
-             draft_slots, draft_mask, nd, tokens};
+  Problem pr{qs.data() ? qs.data() : static_cast<const float*>(q), block_req, runs, valid, k, v, k_row, k_head, v_row,
+             v_head, n, hkv, G, D, Dv, B, unit, num_slots, k_scale * f, v_scale * f, cap, m, l, o, threads, rows,
+             sinks, out, q_tokens, out_bf16 != 0, q_bf16_scale, draft_slots, draft_mask, nd, tokens};
   int outside = 0;
   switch (kind) {
     case 0: outside = run_head_size<F32>(pr); break;

@@ -186,10 +186,14 @@ struct Problem {
   float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]
   int threads;
   // merged form (out != nullptr): blocks whose block_req is >= rows are skipped, then each row's blocks are
-  // merged into out [rows, hkv, G, Dv] (log-sum-exp rule), with sinks [hkv * G] joining every denominator
+  // merged (log-sum-exp rule), with sinks [hkv * G] joining every denominator, into out: token-major [rows *
+  // out_tokens, hkv * G / out_tokens, Dv] (query row h * G + t * (G / out_tokens) + g of row r at token r *
+  // out_tokens + t, head h * G / out_tokens + g), float32 or (out_bf16) bfloat16
   int64_t rows;
   const float* sinks;
-  float* out;
+  void* out;
+  int64_t out_tokens;
+  bool out_bf16;
   // > 0: qs is a bfloat16 query times this scale, which the tile path (tile_blocks.h) takes back to bf16 exactly
   float q_bf16_scale;
   // merged form, verify: nd more keys per row (draft_slots [rows, nd]), seen by query row i of a KV head where

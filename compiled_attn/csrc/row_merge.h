@@ -109,20 +109,35 @@ static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float*
   return inside;
 }
 
-// out[r] = sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the sink, over
-// the partials b of row r (order[first[r] .. first[r + 1]]) and, with dm, the draft partial (dm, dl, dout); zeros
-// for a row with none.
+// n (a multiple of 16) floats -> bfloat16, rounded to nearest even (NaN stays NaN), as torch converts.
+static inline void store_bf16(uint16_t* dst, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#else
+    u32x16 b;
+    std::memcpy(&b, x + i, 64);
+    const u32x16 nan = (u32x16)((b & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+    const u32x16 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const u16x16 h = __builtin_convertvector((r & ~nan) | (((b >> 16) | 0x40u) & nan), u16x16);
+    std::memcpy(dst + i, &h, 32);
+#endif
+  }
+}
+
+// Row r's output: sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the
+// sink, over the partials b of row r (order[first[r] .. first[r + 1]]) and, with dm, the draft partial (dm, dl,
+// dout); zeros for a row with none. Each query row summed in acc [Dv], then stored where Problem::out says.
 static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const int64_t* order, const float* dm,
-                      const float* dl, const float* dout) {
-  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv;
-  float* out = pr.out + r * R * Dv;
-  std::memset(out, 0, sizeof(float) * R * Dv);
+                      const float* dl, const float* dout, float* acc) {
+  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv, per_token = pr.G / pr.out_tokens;
   for (int64_t i = 0; i < R; ++i) {
+    float* o = acc;
+    std::memset(o, 0, sizeof(float) * Dv);
     float mx = pr.sinks ? pr.sinks[i] : -INFINITY;
     for (int64_t j = first[r]; j < first[r + 1]; ++j) mx = std::max(mx, pr.m[order[j] * R + i]);
     if (dm) mx = std::max(mx, dm[i]);
     float den = mx == -INFINITY ? 0.0f : pr.sinks ? std::exp(pr.sinks[i] - mx) : 0.0f;  // -inf: no part, no sink
-    float* o = out + i * Dv;
     auto add = [&](float m, float l, const float* ob) {
       const float w = std::exp(m - mx);
       den += w * l;
@@ -135,5 +150,9 @@ static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const 
     if (dm && mx != -INFINITY) add(dm[i], dl[i], dout + i * Dv);
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
+    const int64_t h = i / pr.G, t = i % pr.G / per_token, g = i % per_token;
+    const int64_t at = ((r * pr.out_tokens + t) * pr.hkv * per_token + h * per_token + g) * Dv;
+    if (pr.out_bf16) store_bf16(static_cast<uint16_t*>(pr.out) + at, o, Dv);
+    else std::memcpy(static_cast<float*>(pr.out) + at, o, sizeof(float) * Dv);
   }
 }
