@@ -70,6 +70,10 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
   for (int64_t p = 0; p < B; ++p) {
     const bool ahead = p + kPrefetch < B && val[p + kPrefetch];
     const int64_t ps = ahead ? slot[p + kPrefetch] : 0;
+    // and K of position p + 8 into L2 where the slots are not in order (page size 1 after the pool has churned):
+    // rows in order the hardware streams by itself
+    const bool far = p + 8 < B && val[p + 8] && slot[p + 8] != slot[p] + 8;
+    const int64_t pf = far ? slot[p + 8] : 0;
     if (!val[p]) {
       for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
       continue;
@@ -81,6 +85,7 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
         prefetch_lines(kc + ps * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
         prefetch_lines<2>(vc + ps * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
       }
+      if (far) prefetch_lines<2>(kc + pf * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
       const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
       float* sp = s + h * G * Bp + p;
       if constexpr (PAIRS) {
