@@ -279,6 +279,10 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     native_decode_blocks(qs.flatten(1, 2), *draft, shows)
     with pytest.raises(ValueError, match="outside the cache"):
         native_decode_blocks(qs.flatten(1, 2), *draft, torch.ones_like(shows))
+    # queries that are not num_rows * tokens rows of a KV-head multiple, or of a dtype the kernel does not read
+    for bad in (qs.flatten(1, 2)[:1], qs.flatten(1, 2)[:, :3], qs.flatten(1, 2).double()):
+        with pytest.raises(ValueError, match="q must be"):
+            native_decode_blocks(bad, *draft, shows)
 
 
 tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
