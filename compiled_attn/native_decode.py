@@ -198,9 +198,11 @@ def _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, lo
                          f"of {list(KINDS)} and the query one of {list(QUERY_KINDS)}")
 
 
-def _partials_like(qs: torch.Tensor, n: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, hkv, g, _ = qs.shape
-    return qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g)), qs.new_empty((n, hkv, g, dv))
+def _partials_like(like: torch.Tensor, n: int, hkv: int, g: int, dv: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised float32 m, lsum [n, Hkv, G] and o [n, Hkv, G, Dv] on ``like``'s device."""
+    m, lsum = (like.new_empty((n, hkv, g), dtype=torch.float32) for _ in range(2))
+    return m, lsum, like.new_empty((n, hkv, g, dv), dtype=torch.float32)
 
 
 @opaque_op
@@ -221,7 +223,7 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
     in the kernel, which reads nothing there).
     """
     qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    m, lsum, o = _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    m, lsum, o = _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
     _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
          q_bf16_scale=q_bf16_scale)
     return m, lsum, o
@@ -230,7 +232,7 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
 @torch.library.register_fake(native_block_partials)
 def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
                                 q_bf16_scale=0.0):
-    return _partials_like(qs, block_req.shape[0], v_cache.shape[2])
+    return _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
 
 
 def _check_draft(g, num_rows, draft_slots, draft_mask):
@@ -291,8 +293,7 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
     out = q.new_empty((*q.shape[:2], dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if block_req.shape[0] == 0 and draft_slots is None:  # the kernel is not called: nothing to merge
         return out.zero_().to(q.dtype)
-    m, lsum = (q.new_empty((block_req.shape[0], hkv, g), dtype=torch.float32) for _ in range(2))
-    o = q.new_empty((block_req.shape[0], hkv, g, dv), dtype=torch.float32)
+    m, lsum, o = _partials_like(q, block_req.shape[0], hkv, g, dv)  # the merged form's scratch
     _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
          out, q_bf16_scale, draft_slots, draft_mask, tokens)
     return out.to(q.dtype)

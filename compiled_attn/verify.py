@@ -314,14 +314,7 @@ def verify_blocks(
         rows = torch.arange(bs, device=q.device)
         out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
                            torch.cat([block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
-    return _token_major(out, k, q.dtype)
-
-
-def _token_major(out: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[bs, Hkv, k * group, Dv] (a KV head's rows: token i's query heads at ``i * group ..``) -> [bs * k, Hq, Dv]
-    in ``dtype``."""
-    bs, hkv, rows, dv = out.shape
-    return out.view(bs, hkv, k, rows // k, dv).transpose(1, 2).reshape(bs * k, hkv * rows // k, dv).to(dtype)
+    return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
 
 
 def _merge_two(o, lse, do, dm, dl, sinks=None):

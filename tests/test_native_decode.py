@@ -116,7 +116,6 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
     lib = native_decode.load(native_decode.build(out_dir=tmp_path, march=march))
     for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
-        b_bf16, index_bf16 = b, index
         # a bf16 query with its scale: the native build's bf16 pair products (AVX512-BF16), exact as these builds'
         # float32 ones
         for q, q_scale in ((b.q, 0.0), (b.q.bfloat16(), 0.1)):
@@ -142,9 +141,10 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     # the merged op on a token-major query (2 tokens per row, 2 heads each per KV head) in each query dtype: the same
     # float32 arithmetic, the output in q's dtype, bf16 rounded as torch rounds (without AVX512-BF16: by moving bits)
+    b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=torch.bfloat16)
     q = torch.randn(4, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    args = (index_bf16.block_req, index_bf16.runs, index_bf16.valid, index_bf16.unit, b_bf16.k_cache, b_bf16.v_cache,
-            0.1, 1.0, 0.0, 2, None, 0.0, None, None, 2)
+    args = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2, None, 0.0,
+            None, None, 2)
     outs = []
     for library in (native_decode.library(), lib):
         with pytest.MonkeyPatch.context() as mp:

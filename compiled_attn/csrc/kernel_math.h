@@ -213,9 +213,6 @@ struct Scratch {
     if (size > n) p.reset(new T[size]), n = size;
   }
   T* data() { return p.get(); }
-  const T* data() const { return p.get(); }
-  T& operator[](int64_t i) { return p[i]; }
-  const T& operator[](int64_t i) const { return p[i]; }
 };
 
 constexpr int64_t kPrefetch = 2;  // key positions ahead: random rows (page size 1) come from memory, not a stream

@@ -99,12 +99,13 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
   if (first) cs.begin_item();
   int64_t c_lo, c_hi;
   live_range(val, B, Bp, c_lo, c_hi);
-  int64_t n = 0;
+  int64_t n = 0, live_chunks = 0;
   for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
     const int64_t n0 = n;
     for (int64_t p = c0; p < std::min(c0 + 32, B); ++p)
       if (val[p]) ws.ids[n++] = p;
     cs.live[c0 / 32] = n > n0;
+    live_chunks += n > n0;
   }
   if (n) {
     // scores: eight positions against one group of rows, or four against two, per step
@@ -138,10 +139,9 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
       for (int64_t j = j0 + call; j < j1; j += calls)
         prefetch_lines(vc + slot[ws.ids[j]] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
     };
-    int64_t emits = 0;
-    const int64_t live_chunks = cs.nsb * ((c_hi - c_lo) / 32);  // at most: dead chunks emit nothing
+    int64_t emits = 0;  // of cs.nsb * live_chunks
     column_softmax(pr, val, c_lo, c_hi, Bp, 1.0f, cs, [&](int64_t sb, int64_t c0, v16* e) {
-      fetch_values(0, 0, std::min(n, kWideSpan), emits++, live_chunks);
+      fetch_values(0, 0, std::min(n, kWideSpan), emits++, cs.nsb * live_chunks);
       for (int i = 0; i < 32; ++i) storef(cs.st.data() + (sb * Bp + c0 + i) * 16, e[i]);
     });
     if (!first) rescale_sums(cs, Dv, row_of);
