@@ -127,12 +127,19 @@ class VerifyIndex:
     inputs: VerifyInputs | None = None
 
 
-def verify_block_size(draft_len: int) -> int:
-    """Prefix block length for ``k`` draft tokens: ``64 * k`` within [64, 512]. In the matmul form each block
-    carries a copy of its request's ``k * Hq`` query rows and returns as many output rows, a quarter of the K/V
-    bytes at k = 8 with 64-token blocks; longer blocks keep that small. (The CPU form reads a request's blocks as
-    one run of positions, so there the block length only sizes the index.)"""
-    return min(512, max(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE * draft_len))
+#: the longest prefix block on CPU: the kernel's tile path keeps a block's scores and bf16 weights per thread (1.5
+#: KB a position at k = 8), and past 256 positions they crowd the K/V stream out of L2
+CPU_MAX_VERIFY_BLOCK = 256
+
+
+def verify_block_size(draft_len: int, device: torch.device | str | None = None) -> int:
+    """Prefix block length for ``k`` draft tokens: ``64 * k`` within [64, 512] (on a CPU ``device``, at most
+    ``CPU_MAX_VERIFY_BLOCK``). In the matmul form each block carries a copy of its request's ``k * Hq`` query rows
+    and returns as many output rows, a quarter of the K/V bytes at k = 8 with 64-token blocks; longer blocks keep
+    that small. The CPU kernel folds a request's blocks as it reads them, so there a block's length sizes only the
+    index and the per-thread scratch of one block."""
+    longest = CPU_MAX_VERIFY_BLOCK if device is not None and torch.device(device).type == "cpu" else 512
+    return min(longest, max(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE * draft_len))
 
 
 def plan_verify(
@@ -160,13 +167,13 @@ def plan_verify(
     v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len]; req_pool_indices, prefix_lens: [bs];
     draft_len: k (int >= 1); custom_mask: None (chain) or flat bool/int8/uint8 of exactly the ``mask_layout``'s size
     (``"draft"``: ``bs * k * k``; ``"full"``: ``k * sum(prefix_lens) + bs * k * k``; see the module docstring).
-    block_size: prefix block length (default ``verify_block_size(draft_len)``);
+    block_size: prefix block length (default ``verify_block_size(draft_len, q.device)``);
     check_slots, page_size: as ``plan_decode`` (the checked range is ``[0, prefix_len + k)``);
     sliding_window: as ``build_verify_index`` (sizes the prefix blocks: those of its shorter range).
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("draft_len", draft_len)
-    block_size = verify_block_size(draft_len) if block_size is None else block_size
+    block_size = verify_block_size(draft_len, q.device) if block_size is None else block_size
     validate.check_positive_int("block_size", block_size)
     validate.check_positive_int("page_size", page_size)
     device, k = q.device, draft_len

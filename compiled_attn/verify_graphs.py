@@ -16,9 +16,9 @@ and the same ``GraphConfig`` switches. The draft lengths are configured (``draft
 nothing compiles after warm-up.
 
 Every ``k`` uses ``config.block_size`` for its prefix blocks (plan with ``VerifyGraphs.plan`` or
-``plan_verify(block_size=config.block_size)``). On CPU the flash form reads a request's blocks as one run, so the
-block length only sizes the index; the matmul form (CUDA) copies a request's ``k * Hq`` query rows per block, so
-there a larger ``block_size`` (``verify.verify_block_size(k)``) keeps that copy small.
+``plan_verify(block_size=config.block_size)``). On CPU the kernel folds a request's blocks as one run, so the
+block length sizes the index and one block's scratch; the matmul form (CUDA) copies a request's ``k * Hq`` query rows
+per block, so there a larger ``block_size`` (``verify.verify_block_size(k, device)``) keeps that copy small.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from compiled_attn.verify import (
     draft_mask_from_custom,
     plan_verify,
     verify_attention,
+    verify_block_size,
     verify_blocks,
 )
 
@@ -304,6 +305,24 @@ def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(
     eager = verify_blocks(b.q, b.k_cache, b.v_cache, build_verify_index(b.req_to_token, meta.inputs), 0.125)
     for o in (out, eager):
         assert (o.double() - ref).abs().max() < 3e-2
+
+
+def test_cpu_verify_blocks_are_at_most_256_tokens_and_several_fold_into_one_row():
+    """On CPU the default prefix block stops at 256 tokens (the kernel's per-thread scratch of one block), the
+    matmul form's (CUDA) goes on to 512; at k = 8 a 700-token prefix then takes three blocks, which the compiled
+    step (the kernel's tile path where the CPU has one) folds into one softmax per row, as the float64 reference
+    computes it."""
+    assert [verify_block_size(k, "cpu") for k in (1, 2, 4, 8)] == [64, 128, 256, 256]
+    assert [verify_block_size(k, "cuda") for k in (2, 8)] == [128, 512]
+    k = 8
+    b, prefix = _case([700, 3], k, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
+    masks = chain_mask(2, k)
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k)
+    assert meta.inputs.block_offsets.shape[0] == 256
+    step = compile_step(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.125))
+    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
+    assert (out.double() - ref).abs().max() < 3e-2
 
 
 def test_fused_and_cpu_flash_together_is_an_error():

@@ -18,8 +18,8 @@ So the metadata splits as the runner expects. ``verify_out_graph`` (host side, b
 against the capacities the graph was captured with and copies the live mask's draft columns into a static
 ``[max_bs, k, k]`` buffer: the live mask is a new tensor every step, so no graph can read it. ``verify_in_graph``
 (recorded) copies the rows and prefix lengths into static buffers and builds the verify index from them: pure
-tensor code with fixed shapes per ``bs``. The prefix blocks are ``verify.verify_block_size(k)`` tokens; a graph of
-``bs`` rows computes over the decode graphs' block capacity at that block size (``backend_util
+tensor code with fixed shapes per ``bs``. The prefix blocks are ``verify.verify_block_size(k, device)`` tokens; a
+graph of ``bs`` rows computes over the decode graphs' block capacity at that block size (``backend_util
 .graph_block_capacity``, bounded by ``GRAPH_KV_TOKENS_ENV``).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class VerifyGraphState:
     (a graph of ``bs`` rows reads their first ``bs`` rows)."""
 
     k: int
-    block_size: int  # prefix block length, verify_block_size(k)
+    block_size: int  # prefix block length, verify_block_size(k, device)
     req_rows: torch.Tensor  # [max_bs] int64
     prefix_lens: torch.Tensor  # [max_bs] int64
     draft_mask: torch.Tensor  # [max_bs, k, k] bool, written by verify_out_graph
@@ -66,7 +66,7 @@ def _graph_state(backend, k: int, *, create: bool) -> VerifyGraphState:
         if not create:
             raise RuntimeError(f"compiled_attn: no TARGET_VERIFY graph was captured with draft_token_num={k} "
                                f"(captured: {sorted(g.verify) or 'none'})")
-        block, dev = verify_block_size(k), backend.device
+        block, dev = verify_block_size(k, backend.device), backend.device
 
         def z():
             return torch.zeros(g.max_bs, dtype=torch.int64, device=dev)
