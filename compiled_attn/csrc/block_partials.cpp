@@ -14,30 +14,56 @@
 //
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
+#include <type_traits>
+
 #include "kernel_math.h"
 #include "row_merge.h"
 #include "tile_blocks.h"
 #include "wide_blocks.h"
 
 
-// out[g, :] = v_mul * sum_p w[g, p] * V[slot p, :] for GN query rows and DN x 16 columns, in registers.
+// out[g, :] = v_mul * sum_p w[g, p] * V[slot p, :] for GN query rows and DN x 16 columns, in registers. A bf16 V
+// row is read 32 elements a vector and split into its even and odd elements (a shift and a mask, no widening
+// shuffles), the sums kept in that order and interleaved back once at the end.
 template <class L, int GN, int DN>
 static inline void weighted_v(const typename L::T* vb, const int64_t* slot, const uint8_t* val, int64_t B,
                               int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv, float v_mul) {
+  constexpr bool split = std::is_same<L, BF16>::value && DN % 2 == 0;
   v16 acc[GN][DN] = {};
   for (int64_t p = 0; p < B; ++p) {
     if (!val[p]) continue;
     const typename L::T* vr = vb + slot[p] * v_row;
     v16 vv[DN];
-    for (int j = 0; j + 1 < DN; j += 2) load32<L>(vr + 16 * j, vv[j], vv[j + 1]);
-    if constexpr (DN % 2) vv[DN - 1] = L::load(vr + 16 * (DN - 1));
+    if constexpr (split) {
+      for (int j = 0; j < DN; j += 2) {
+        u32x16 x;
+        std::memcpy(&x, vr + 16 * j, 64);
+        const u32x16 even = x << 16, odd = x & 0xFFFF0000u;
+        std::memcpy(&vv[j], &even, 64);
+        std::memcpy(&vv[j + 1], &odd, 64);
+      }
+    } else {
+      for (int j = 0; j + 1 < DN; j += 2) load32<L>(vr + 16 * j, vv[j], vv[j + 1]);
+      if constexpr (DN % 2) vv[DN - 1] = L::load(vr + 16 * (DN - 1));
+    }
     for (int g = 0; g < GN; ++g) {
       const float x = w[g * Bp + p];
       for (int j = 0; j < DN; ++j) acc[g][j] += x * vv[j];
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DN; ++j) storef(out + g * Dv + 16 * j, acc[g][j] * v_mul);
+    for (int j = 0; j < DN; ++j) {
+      if constexpr (split) {
+        if (j % 2) continue;
+        const v16 e = acc[g][j], o = acc[g][j + 1];
+        storef(out + g * Dv + 16 * j,
+               __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23) * v_mul);
+        storef(out + g * Dv + 16 * j + 16,
+               __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31) * v_mul);
+      } else {
+        storef(out + g * Dv + 16 * j, acc[g][j] * v_mul);
+      }
+    }
 }
 
 template <class L>
