@@ -95,43 +95,72 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
   const T* vc = static_cast<const T*>(pr.v);
   const int64_t D = DV ? DV * 16 : pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv, R = hkv * G;
   for (int64_t p = 0; p < B; ++p) {
-    const bool ahead = p + kPrefetch < B && val[p + kPrefetch];
-    const int64_t ps = ahead ? slot[p + kPrefetch] : 0;
-    // and K of position p + 8 into L2 where the slots are not in order (page size 1 after the pool has churned):
-    // rows in order the hardware streams by itself
-    const bool far = p + 8 < B && val[p + 8] && slot[p + 8] != slot[p] + 8;
-    const int64_t pf = far ? slot[p + 8] : 0;
     if (!val[p]) {
       for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
       continue;
     }
+    // with PAIRS two valid positions at once (each query row loaded once for both key rows, their sums reduced
+    // together); their K and V lines then one position ahead of each (the next pair's first comes a pair ahead:
+    // two ahead of each, as one position at a time takes them, was 7-14% slower side by side)
+    const int64_t np = PAIRS && p + 1 < B && val[p + 1] ? 2 : 1, lookahead = np == 2 ? 1 : kPrefetch;
+    bool ahead[2], far[2];
+    int64_t ps[2], pf[2];
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t x = p + i;
+      ahead[i] = x + lookahead < B && val[x + lookahead];
+      ps[i] = ahead[i] ? slot[x + lookahead] : 0;
+      // and K of position x + 8 into L2 where the slots are not in order (page size 1 after the pool has
+      // churned): rows in order the hardware streams by itself
+      far[i] = x + 8 < B && val[x + 8] && slot[x + 8] != slot[x] + 8;
+      pf[i] = far[i] ? slot[x + 8] : 0;
+    }
     for (int64_t h = 0; h < hkv; ++h) {
-      // the K and V lines of position p + kPrefetch, head by head: spread over the heads' work, not issued as one
+      // the K and V lines of the positions ahead, head by head: spread over the heads' work, not issued as one
       // burst of a whole row (a burst fills the line-fill buffers and stalls the arithmetic behind it)
-      if (ahead) {  // K for the next read, V kept a little longer (read after the block's softmax)
-        prefetch_lines(kc + ps * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
-        prefetch_lines<2>(vc + ps * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
+      for (int64_t i = 0; i < np; ++i) {
+        if (ahead[i]) {  // K for the next read, V kept a little longer (read after the block's softmax)
+          prefetch_lines(kc + ps[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+          prefetch_lines<2>(vc + ps[i] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
+        }
+        if (far[i]) prefetch_lines<2>(kc + pf[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
       }
-      if (far) prefetch_lines<2>(kc + pf * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
       const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
       float* sp = s + h * G * Bp + p;
       if constexpr (PAIRS) {
 #if defined(__AVX512BF16__)
         constexpr int NV = DV / 2;  // registers per key row
-        const v4f mul = v4f{} + pr.q_bf16_scale * pr.k_mul;
-        __m512bh kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)load32_bf16<L>(kr + 32 * j);
-        for (int64_t g = 0; g < G; g += 4) {
-          const uint16_t* qg = static_cast<const uint16_t*>(q) + (h * G + g) * D;
-          __m512 a[4];
-          for (int i = 0; i < 4; ++i) {
-            a[i] = _mm512_setzero_ps();
-            for (int j = 0; j < NV; ++j)
-              a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qg + i * D + 32 * j), kv[j]);
+        const float mul = pr.q_bf16_scale * pr.k_mul;
+        auto rows = [&](auto two) {  // the head's query rows against one key row, or (two) against two
+          constexpr bool TWO = decltype(two)::value;
+          __m512bh kv[NV], kw[NV];
+          for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)load32_bf16<L>(kr + 32 * j);
+          if constexpr (TWO) {
+            const T* kr1 = kc + slot[p + 1] * pr.k_row + h * pr.k_head;
+            for (int j = 0; j < NV; ++j) kw[j] = (__m512bh)load32_bf16<L>(kr1 + 32 * j);
           }
-          v4f t = hsum4((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3]) * mul;
-          for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
-        }
+          for (int64_t g = 0; g < G; g += 4) {
+            const uint16_t* qg = static_cast<const uint16_t*>(q) + (h * G + g) * D;
+            __m512 a[4], b[4];
+            for (int i = 0; i < 4; ++i) {
+              a[i] = b[i] = _mm512_setzero_ps();
+              for (int j = 0; j < NV; ++j) {
+                const __m512bh qj = (__m512bh)_mm512_loadu_si512(qg + i * D + 32 * j);
+                a[i] = _mm512_dpbf16_ps(a[i], qj, kv[j]);
+                if constexpr (TWO) b[i] = _mm512_dpbf16_ps(b[i], qj, kw[j]);
+              }
+            }
+            if constexpr (TWO) {
+              const v8f t = hsum4x2((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3], (v16)b[0], (v16)b[1], (v16)b[2],
+                                    (v16)b[3]) * mul;
+              for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i], sp[(g + i) * Bp + 1] = t[4 + i];
+            } else {
+              const v4f t = hsum4((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3]) * mul;
+              for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
+            }
+          }
+        };
+        if (np == 2) rows(std::true_type{});
+        else rows(std::false_type{});
 #endif
       } else if (DV && G % 4 == 0) {
         const float* q0 = static_cast<const float*>(q) + h * G * D;
@@ -160,6 +189,7 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
         }
       }
     }
+    p += np - 1;
   }
 }
 

@@ -36,18 +36,36 @@ static inline float hsum(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Steps of horizontal sums over two vectors at once: halves_sum(x, y) holds x's lanes i + lanes i + 8 in its first 8
+// lanes and y's in the next 8; quarters_sum(x, y) likewise with lanes i and i + 4 of each half.
+static inline v16 halves_sum(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline v16 quarters_sum(v16 x, v16 y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
 // The sums of four vectors as one 4-lane vector: a tree of shuffles shared by the four (a quarter of the
 // instructions of four separate horizontal sums, which were a third of the scoring time).
 static inline v4f hsum4(v16 a, v16 b, v16 c, v16 d) {
-  v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  v16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-          __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  v16 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
-          __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  const v16 x = quarters_sum(halves_sum(a, b), halves_sum(c, d));  // per vector 4 partial sums, in order
+  const v16 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+                __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
   return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
+}
+
+// The sums of eight vectors (a's four, then b's) as one 8-lane vector: the same tree over both, a quarter fewer
+// instructions than two hsum4s, in the same order of additions.
+typedef float v8f __attribute__((vector_size(32)));
+static inline v8f hsum4x2(v16 a0, v16 a1, v16 a2, v16 a3, v16 b0, v16 b1, v16 b2, v16 b3) {
+  const v16 xa = quarters_sum(halves_sum(a0, a1), halves_sum(a2, a3));
+  const v16 xb = quarters_sum(halves_sum(b0, b1), halves_sum(b2, b3));
+  const v16 y = __builtin_shufflevector(xa, xb, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                __builtin_shufflevector(xa, xb, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y, y, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(y, y, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 // 16 IEEE half-precision bit patterns -> float32.
