@@ -49,12 +49,16 @@ static void column_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, 
       for (int64_t p = c_lo; p < c_hi; ++p)
         if (valid_at(p))
           for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
-    v16 mx = splat(-INFINITY);
-    for (int64_t p = c_lo; p < c_hi; ++p)
-      if (valid_at(p)) {
-        const v16 x = loadf(sv + p * 16);
-        mx = x > mx ? x : mx;
-      }
+    // four running maxima (c_lo and c_hi are multiples of 32): one was a chain of dependent max instructions
+    v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};
+    for (int64_t p = c_lo; p < c_hi; p += 4)
+      for (int i = 0; i < 4; ++i)
+        if (valid_at(p + i)) {
+          const v16 x = loadf(sv + (p + i) * 16);
+          m4[i] = x > m4[i] ? x : m4[i];
+        }
+    const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
+    const v16 mx = m01 > m23 ? m01 : m23;
     const v16 m_old = loadf(cs.m.data() + sb * 16);
     const v16 m_new = mx > m_old ? mx : m_old;
     storef(cs.alpha.data() + sb * 16, vexp((m_old - m_new) * c));

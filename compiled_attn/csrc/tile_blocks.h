@@ -164,7 +164,7 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
       w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e[2 * i + 1], (__m512)e[2 * i]));
     transpose16(w);
     for (int64_t lane = 0; lane < 16; ++lane) {
-      const int64_t r = ts.row_of(sb, lane, pr.hkv);
+      const int64_t r = ts.row_of(sb, lane);
       if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
     }
   });
@@ -182,7 +182,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
   const int64_t D = pr.D, Dv = pr.Dv, G = pr.G, hkv = pr.hkv, B = pr.B;
   const int64_t gt = ts.gt;
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
-  const auto row_of = [&](int64_t sb, int64_t lane) { return ts.row_of(sb, lane, hkv); };
+  const auto row_of = [&](int64_t sb, int64_t lane) { return ts.row_of(sb, lane); };
   if (first) ts.cs.begin_item();
   int64_t c_lo, c_hi;
   live_range(val, B, Bp, c_lo, c_hi);

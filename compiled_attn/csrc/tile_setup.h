@@ -47,6 +47,7 @@ struct TileScratch {
   Scratch<uint16_t> vt;       // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
   Scratch<uint16_t> pt;       // [R, Bp] the block's softmax weights, bf16
   TileConfig scores{}, sums{};
+  std::vector<int64_t> lane_rows;  // [score blocks * 16] the query row of each lane, -1 where none (row_of)
 
   void start(const Problem& pr, int64_t Bp) {
     gt = std::min<int64_t>(pr.G, 16);
@@ -55,6 +56,12 @@ struct TileScratch {
     per = 16 / lanes;
     const int64_t R = pr.hkv * pr.G;
     cs.start((pr.hkv * groups + per - 1) / per, Bp, R, pr.Dv);
+    lane_rows.resize(cs.nsb * 16);
+    for (int64_t sb = 0; sb < cs.nsb; ++sb)
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t gi = sb * per + lane / lanes, n = lane % lanes;
+        lane_rows[sb * 16 + lane] = gi < pr.hkv * groups && n < gt ? gi * gt + n : -1;
+      }
     kt.resize(pr.hkv * 32 * pr.D);
     vt.resize(std::min<int64_t>(Bp, kVSpan) * pr.Dv);
     pt.resize(R * Bp);
@@ -73,11 +80,9 @@ struct TileScratch {
   }
   static void load(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
   void finish() { _tile_release(); }
-  // the query row of a score block's lane (-1: no row)
-  int64_t row_of(int64_t sb, int64_t lane, int64_t hkv) const {
-    const int64_t gi = sb * per + lane / lanes, n = lane % lanes;
-    return gi < hkv * groups && n < gt ? gi * gt + n : -1;
-  }
+  // the query row of a score block's lane (-1: no row), looked up (computed per lane per chunk, its divisions were
+  // a tenth of the softmax's time)
+  int64_t row_of(int64_t sb, int64_t lane) const { return lane_rows[sb * 16 + lane]; }
 };
 
 // The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the float32
