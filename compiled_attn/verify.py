@@ -128,8 +128,9 @@ class VerifyIndex:
 
 
 #: the longest prefix block on CPU: the kernel's tile path keeps a block's scores and bf16 weights per thread (1.5
-#: KB a position at k = 8), and past 256 positions they crowd the K/V stream out of L2
-CPU_MAX_VERIFY_BLOCK = 256
+#: KB a position at k = 8), which past 256 positions crowd the K/V stream out of L2, and a batch of one or two
+#: requests needs blocks enough for every thread (the kernel folds a row's blocks, so shorter ones cost little)
+CPU_MAX_VERIFY_BLOCK = 128
 
 
 def verify_block_size(draft_len: int, device: torch.device | str | None = None) -> int:

@@ -351,9 +351,9 @@ def test_target_verify_graph_errors(monkeypatch):
     buf, compiles = _runner_buffers(backend, g, (0,), max_bs=2), []
     graphs = {2: _capture(backend, buf, [H.make_layer(g)], 2, compiles)}
     cap = backend.graph.verify[K]
-    assert cap.draft_mask.shape == (2, K, K) and cap.block_size == 256
+    assert cap.draft_mask.shape == (2, K, K) and cap.block_size == 128  # verify_block_size(K) on CPU
     spec = SimpleNamespace(draft_token_num=K, topk=1, custom_mask=None)
-    batch = _verify_batch(mr, [600, 700], K, spec)  # 6 blocks of 256; 64 KV tokens: 1 block + 1 per row
+    batch = _verify_batch(mr, [600, 700], K, spec)  # 11 blocks of 128; 64 KV tokens: 1 block + 1 per row
     with pytest.raises(ValueError, match=r"TARGET_VERIFY batch \(bs=2, 1300 cached tokens\).*COMPILED_ATTN_GRAPH_KV"):
         _replay(backend, buf, graphs, batch, spec, g)
     batch = _verify_batch(mr, [3, 9], K, spec)

@@ -307,18 +307,18 @@ def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(
         assert (o.double() - ref).abs().max() < 3e-2
 
 
-def test_cpu_verify_blocks_are_at_most_256_tokens_and_several_fold_into_one_row():
-    """On CPU the default prefix block stops at 256 tokens (the kernel's per-thread scratch of one block), the
-    matmul form's (CUDA) goes on to 512; at k = 8 a 700-token prefix then takes three blocks, which the compiled
-    step (the kernel's tile path where the CPU has one) folds into one softmax per row, as the float64 reference
-    computes it."""
-    assert [verify_block_size(k, "cpu") for k in (1, 2, 4, 8)] == [64, 128, 256, 256]
+def test_cpu_verify_blocks_are_at_most_128_tokens_and_several_fold_into_one_row():
+    """On CPU the default prefix block stops at ``CPU_MAX_VERIFY_BLOCK`` = 128 tokens (the kernel's per-thread
+    scratch of one block; blocks for every thread in a small batch), the matmul form's (CUDA) goes on to 512; at k =
+    8 a 700-token prefix then takes six blocks, which the compiled step (the kernel's tile path where the CPU has
+    one) folds into one softmax per row, as the float64 reference computes it."""
+    assert [verify_block_size(k, "cpu") for k in (1, 2, 4, 8)] == [64, 128, 128, 128]
     assert [verify_block_size(k, "cuda") for k in (2, 8)] == [128, 512]
     k = 8
     b, prefix = _case([700, 3], k, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
     masks = chain_mask(2, k)
     meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k)
-    assert meta.inputs.block_offsets.shape[0] == 256
+    assert meta.inputs.block_offsets.shape[0] == 128
     step = compile_step(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.125))
     out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
