@@ -2,9 +2,9 @@
 // compiled_attn/native_decode.py, which builds this file with the machine's compiler on first use and calls it
 // through ctypes (that module says why a hand-written kernel).
 //
-// One block is B key positions of one request. On the vector path (this file) all its query rows (Hkv heads x G
-// rows) are scored against each key row as the row is read (a slot's heads lie together in the cache, so a page of
-// consecutive slots is read front to back), then softmaxed, then V is summed with the weights; K/V are converted
+// One block is B key positions of one request. On the vector path (vector_blocks.h) all its query rows (Hkv heads x
+// G rows) are scored against each key row as the row is read (a slot's heads lie together in the cache, so a page
+// of consecutive slots is read front to back), then softmaxed, then V is summed with the weights; K/V are converted
 // to float32 in registers (bf16, fp16, float8 e4m3fn / e5m2), so the cache is read once at its stored width. With
 // a bf16 query and enough query rows the tile path (tile_blocks.h) computes the same block with AMX products.
 // Invalid positions (past a request's end, a page's unwritten tail) are never read. The outputs are those of
@@ -14,206 +14,12 @@
 //
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
-#include <type_traits>
-
 #include "kernel_math.h"
 #include "row_merge.h"
 #include "tile_blocks.h"
+#include "vector_blocks.h"
 #include "wide_blocks.h"
 
-
-// out[g, :] = v_mul * sum_p w[g, p] * V[slot p, :] for GN query rows and DN x 16 columns, in registers. A bf16 V
-// row is read 32 elements a vector and split into its even and odd elements (a shift and a mask, no widening
-// shuffles), the sums kept in that order and interleaved back once at the end.
-template <class L, int GN, int DN>
-static inline void weighted_v(const typename L::T* vb, const int64_t* slot, const uint8_t* val, int64_t B,
-                              int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv, float v_mul) {
-  constexpr bool split = std::is_same<L, BF16>::value && DN % 2 == 0;
-  v16 acc[GN][DN] = {};
-  for (int64_t p = 0; p < B; ++p) {
-    if (!val[p]) continue;
-    const typename L::T* vr = vb + slot[p] * v_row;
-    v16 vv[DN];
-    if constexpr (split) {
-      for (int j = 0; j < DN; j += 2) {
-        u32x16 x;
-        std::memcpy(&x, vr + 16 * j, 64);
-        const u32x16 even = x << 16, odd = x & 0xFFFF0000u;
-        std::memcpy(&vv[j], &even, 64);
-        std::memcpy(&vv[j + 1], &odd, 64);
-      }
-    } else {
-      for (int j = 0; j + 1 < DN; j += 2) load32<L>(vr + 16 * j, vv[j], vv[j + 1]);
-      if constexpr (DN % 2) vv[DN - 1] = L::load(vr + 16 * (DN - 1));
-    }
-    for (int g = 0; g < GN; ++g) {
-      const float x = w[g * Bp + p];
-      for (int j = 0; j < DN; ++j) acc[g][j] += x * vv[j];
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < DN; ++j) {
-      if constexpr (split) {
-        if (j % 2) continue;
-        const v16 e = acc[g][j], o = acc[g][j + 1];
-        storef(out + g * Dv + 16 * j,
-               __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23) * v_mul);
-        storef(out + g * Dv + 16 * j + 16,
-               __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31) * v_mul);
-      } else {
-        storef(out + g * Dv + 16 * j, acc[g][j] * v_mul);
-      }
-    }
-}
-
-template <class L>
-static void weighted_v_any(int gn, int dn, const typename L::T* vb, const int64_t* slot, const uint8_t* val,
-                           int64_t B, int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv,
-                           float v_mul) {
-  for (int g = 0; g < gn; ++g)
-    for (int j = 0; j < dn; ++j) {
-      v16 acc{};
-      for (int64_t p = 0; p < B; ++p)
-        if (val[p]) acc += w[g * Bp + p] * L::load(vb + slot[p] * v_row + 16 * j);
-      storef(out + g * Dv + 16 * j, acc * v_mul);
-    }
-}
-
-
-// Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
-// row is read once, for all query rows of its head. DV: D / 16 for a compiled-in head size (the key row lives in
-// registers), else 0. q: qv [R, D] float32, the queries times k_mul; with PAIRS (a bf16 query, D / 16
-// even, G a multiple of 4, AVX512-BF16) qb [R, D] bf16, q exactly (the queries divided by q_bf16_scale): each
-// key row is loaded as bf16 (a bf16 cache as it is, float8 converted exactly), two elements per lane multiplied
-// exactly and summed in float32, the sums then scaled by the scale times K's scale: half the instructions of the
-// float32 products and no conversion of a bf16 row.
-template <class L, int DV, bool PAIRS>
-static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t* val, const void* q, float* s,
-                          int64_t Bp) {
-  typedef typename L::T T;
-  const T* kc = static_cast<const T*>(pr.k);
-  const T* vc = static_cast<const T*>(pr.v);
-  const int64_t D = DV ? DV * 16 : pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv, R = hkv * G;
-  for (int64_t p = 0; p < B; ++p) {
-    if (!val[p]) {
-      for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
-      continue;
-    }
-    // with PAIRS two valid positions at once (each query row loaded once for both key rows, their sums reduced
-    // together); their K and V lines then one position ahead of each (the next pair's first comes a pair ahead:
-    // two ahead of each, as one position at a time takes them, was 7-14% slower side by side)
-    const int64_t np = PAIRS && p + 1 < B && val[p + 1] ? 2 : 1, lookahead = np == 2 ? 1 : kPrefetch;
-    bool ahead[2], far[2];
-    int64_t ps[2], pf[2];
-    for (int64_t i = 0; i < np; ++i) {
-      const int64_t x = p + i;
-      ahead[i] = x + lookahead < B && val[x + lookahead];
-      ps[i] = ahead[i] ? slot[x + lookahead] : 0;
-      // and K of position x + 8 into L2 where the slots are not in order (page size 1 after the pool has
-      // churned): rows in order the hardware streams by itself
-      far[i] = x + 8 < B && val[x + 8] && slot[x + 8] != slot[x] + 8;
-      pf[i] = far[i] ? slot[x + 8] : 0;
-    }
-    for (int64_t h = 0; h < hkv; ++h) {
-      // the K and V lines of the positions ahead, head by head: spread over the heads' work, not issued as one
-      // burst of a whole row (a burst fills the line-fill buffers and stalls the arithmetic behind it)
-      for (int64_t i = 0; i < np; ++i) {
-        if (ahead[i]) {  // K for the next read, V kept a little longer (read after the block's softmax)
-          prefetch_lines(kc + ps[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
-          prefetch_lines<2>(vc + ps[i] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
-        }
-        if (far[i]) prefetch_lines<2>(kc + pf[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
-      }
-      const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
-      float* sp = s + h * G * Bp + p;
-      if constexpr (PAIRS) {
-#if defined(__AVX512BF16__)
-        constexpr int NV = DV / 2;  // registers per key row
-        const float mul = pr.q_bf16_scale * pr.k_mul;
-        auto rows = [&](auto two) {  // the head's query rows against one key row, or (two) against two
-          constexpr bool TWO = decltype(two)::value;
-          __m512bh kv[NV], kw[NV];
-          for (int j = 0; j < NV; ++j) kv[j] = (__m512bh)load32_bf16<L>(kr + 32 * j);
-          if constexpr (TWO) {
-            const T* kr1 = kc + slot[p + 1] * pr.k_row + h * pr.k_head;
-            for (int j = 0; j < NV; ++j) kw[j] = (__m512bh)load32_bf16<L>(kr1 + 32 * j);
-          }
-          for (int64_t g = 0; g < G; g += 4) {
-            const uint16_t* qg = static_cast<const uint16_t*>(q) + (h * G + g) * D;
-            __m512 a[4], b[4];
-            for (int i = 0; i < 4; ++i) {
-              a[i] = b[i] = _mm512_setzero_ps();
-              for (int j = 0; j < NV; ++j) {
-                const __m512bh qj = (__m512bh)_mm512_loadu_si512(qg + i * D + 32 * j);
-                a[i] = _mm512_dpbf16_ps(a[i], qj, kv[j]);
-                if constexpr (TWO) b[i] = _mm512_dpbf16_ps(b[i], qj, kw[j]);
-              }
-            }
-            if constexpr (TWO) {
-              const v8f t = hsum4x2((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3], (v16)b[0], (v16)b[1], (v16)b[2],
-                                    (v16)b[3]) * mul;
-              for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i], sp[(g + i) * Bp + 1] = t[4 + i];
-            } else {
-              const v4f t = hsum4((v16)a[0], (v16)a[1], (v16)a[2], (v16)a[3]) * mul;
-              for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
-            }
-          }
-        };
-        if (np == 2) rows(std::true_type{});
-        else rows(std::false_type{});
-#endif
-      } else if (DV && G % 4 == 0) {
-        const float* q0 = static_cast<const float*>(q) + h * G * D;
-        v16 kv[DV ? DV : 1];
-        for (int j = 0; j + 1 < DV; j += 2) load32<L>(kr + 16 * j, kv[j], kv[j + 1]);
-        if constexpr (DV % 2) kv[DV - 1] = L::load(kr + 16 * (DV - 1));
-        for (int64_t g = 0; g < G; g += 4) {
-          const float* qg = q0 + g * D;
-          v16 a0 = loadf(qg) * kv[0], a1 = loadf(qg + D) * kv[0], a2 = loadf(qg + 2 * D) * kv[0],
-              a3 = loadf(qg + 3 * D) * kv[0];
-          for (int j = 1; j < DV; ++j) {
-            a0 += loadf(qg + 16 * j) * kv[j];
-            a1 += loadf(qg + D + 16 * j) * kv[j];
-            a2 += loadf(qg + 2 * D + 16 * j) * kv[j];
-            a3 += loadf(qg + 3 * D + 16 * j) * kv[j];
-          }
-          v4f t = hsum4(a0, a1, a2, a3);
-          for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
-        }
-      } else {
-        const float* q0 = static_cast<const float*>(q) + h * G * D;
-        for (int64_t g = 0; g < G; ++g) {
-          v16 acc{};
-          for (int64_t d = 0; d < D; d += 16) acc += loadf(q0 + g * D + d) * L::load(kr + d);
-          sp[g * Bp] = hsum(acc);
-        }
-      }
-    }
-    p += np - 1;
-  }
-}
-
-// The weighted V sum of one block by vector FMAs: o[r, :] = v_mul * sum_p w[r, p] V[slot p, head of r, :], per
-// head 4 query rows x 64 output columns at a time.
-template <class L>
-static void vector_weighted_v(const Problem& pr, const int64_t* slot, const uint8_t* val, const float* s, int64_t Bp,
-                              float* oo) {
-  typedef typename L::T T;
-  const T* vc = static_cast<const T*>(pr.v);
-  const int64_t G = pr.G, B = pr.B, Dv = pr.Dv;
-  for (int64_t h = 0; h < pr.hkv; ++h)
-    for (int64_t g0 = 0; g0 < G; g0 += 4)
-      for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-        const int gn = (int)std::min<int64_t>(4, G - g0), dn = (int)(std::min<int64_t>(64, Dv - d0) / 16);
-        const float* w = s + (h * G + g0) * Bp;
-        float* out = oo + (h * G + g0) * Dv + d0;
-        const T* vb = vc + h * pr.v_head + d0;
-        if (gn == 4 && dn == 4) weighted_v<L, 4, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-        else if (gn == 1 && dn == 4) weighted_v<L, 1, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-        else if (gn == 2 && dn == 4) weighted_v<L, 2, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-        else weighted_v_any<L>(gn, dn, vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-      }
-}
 
 // Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay
 // outside the cache (that position left out, nothing read there).

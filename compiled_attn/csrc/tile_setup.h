@@ -80,8 +80,8 @@ struct TileScratch {
   }
   static void load(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
   void finish() { _tile_release(); }
-  // the query row of a score block's lane (-1: no row), looked up (computed per lane per chunk, its divisions were
-  // a tenth of the softmax's time)
+  // the query row of a score block's lane (-1: no row), looked up: the softmax asks for every lane of every chunk,
+  // and computing it takes two integer divisions
   int64_t row_of(int64_t sb, int64_t lane) const { return lane_rows[sb * 16 + lane]; }
 };
 
