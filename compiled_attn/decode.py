@@ -7,17 +7,17 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Three forms compute the blocks. On CPU (one head size, separate K and V caches) the fused form reads K/V in place
-through the block table, with no gathered copy, over the used blocks only: by the C++ kernel (``native_decode``,
-head sizes that are multiples of 16; it skips a bucket's unused blocks and merges the rest in the same call),
-eagerly and compiled, or else, under ``torch.compile``, as code that inductor traces
+Three forms compute the blocks. On CPU the fused form reads K/V in place through the block table, with no gathered
+copy, over the used blocks only: by the C++ kernel (``native_decode``, head sizes that are multiples of 16, MLA's
+576/512 latent included; it skips a bucket's unused blocks and merges the rest in the same call), eagerly and
+compiled, or else, under ``torch.compile`` with one head size and separate K and V caches, as code that inductor traces
 (``decode_fused.fused_block_partials``, after ``decode_fused.used_blocks`` counts the used blocks on the host: a
 data-dependent size to the compile). On CPU eagerly without that kernel (one head size, no soft-cap), and for
 a batch of one indexed on the host, the opaque op ``decode_flash`` runs the blocks through ATen's CPU flash kernel
 (``decode_flash.py``: one request as one sequence, a small batch padded into one call, else L2-sized chunks of
 blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's padding.
-Elsewhere (CUDA, where inductor turns it into fused kernels; MLA's 576/512; soft-capped models eagerly) the
-matmul form below runs.
+Elsewhere (CUDA, where inductor turns it into fused kernels; without the kernel, MLA's 576/512 and soft-capped
+models eagerly) the matmul form below runs.
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
 """
@@ -238,9 +238,10 @@ def decode_blocks(
     cpu_flash: per-block attention through ATen's CPU flash kernel (``decode_flash``) rather than the matmul form;
         None picks it wherever it applies (CPU, one head size, no soft-cap) unless the fused form is picked.
     fused: the blocks read K/V in place (``decode_fused``; any head sizes, soft-cap, V read from ``v_cache`` even
-        when it shares K's rows); None picks it on a CPU while compiling or where the C++ kernel serves the call,
-        for one head size and V a cache of its own (MLA's latent, read twice this way, measured no faster than the
-        matmul form). Its traced form eagerly is correct but materialises a copy of all K and V.
+        when it shares K's rows); None picks it on a CPU where the C++ kernel serves the call (MLA's latent too),
+        or while compiling for one head size and V a cache of its own (the traced form reads MLA's latent twice,
+        measured no faster than the matmul form). Its traced form eagerly is correct but materialises a copy of all
+        K and V.
     native: the fused form's kernel: the C++ one (``native_decode``; None: wherever it fits, which also makes the
         fused form the CPU's eager default for a batch of more than one) or False for the traced form.
     The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.

@@ -12,15 +12,15 @@ rows). The ``k`` draft keys form one extra tiny "draft block" per request, maske
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
 Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
-heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile or wide path serves), one head size
-and V a cache of its own, the used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the
-C++ kernel (``native_decode``: the draft block too, both merged in the one call) eagerly and compiled, or by the
-traced form under ``torch.compile`` (a float32 or float8 cache only: on bf16/fp16 its
+heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile or wide path serves), the
+used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the C++ kernel (``native_decode``:
+the draft block too, both merged in the one call; MLA's latent included) eagerly and compiled, or by the traced
+form under ``torch.compile`` (one head size, V a cache of its own, a float32 or float8 cache: on bf16/fp16 its
 loops lost to the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads
 each request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are
 (no per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA,
-MLA's 576/512, soft-capped models) a matmul form over the blocks. Outside the kernel the draft block is a small
-matmul (``k`` keys).
+and without the kernel MLA's 576/512 and soft-capped models) a matmul form over the blocks. Outside the kernel the
+draft block is a small matmul (``k`` keys).
 Everything after ``plan_verify`` (``verify_plan``: the host's checks and padding) is tensor code with static shapes
 per (batch capacity, ``k``, block capacity): no ``.item()``; the CPU forms' ops read their indices on the host (CPU
 tensors, never a device sync).
@@ -143,10 +143,10 @@ def verify_blocks(
 
     q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales, sinks
     ([Hq] attention-sink logits): as ``decode.decode_blocks``. fused: the prefix blocks read K/V in place
-    (``decode_fused``, as the CPU decode); None picks it on a CPU while compiling or where the C++ kernel fits
-    (``native``: as ``decode.decode_blocks``), for one head size, V a cache of its own and at most
-    ``FUSED_MAX_ROWS`` query rows per KV head (``NATIVE_MAX_ROWS`` through the kernel, any number its tile path
-    serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not).
+    (``decode_fused``, as the CPU decode); None picks it on a CPU where the C++ kernel fits (``native``: as
+    ``decode.decode_blocks``, MLA's latent too) or while compiling for one head size and V a cache of its own, with
+    at most ``FUSED_MAX_ROWS`` query rows per KV head (``NATIVE_MAX_ROWS`` through the kernel, any number its tile
+    or wide path serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not).
     Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
