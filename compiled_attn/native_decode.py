@@ -293,9 +293,9 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
     out = q.new_empty((*q.shape[:2], dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if block_req.shape[0] == 0 and draft_slots is None:  # the kernel is not called: nothing to merge
         return out.zero_().to(q.dtype)
-    m, lsum, o = _partials_like(q, block_req.shape[0], hkv, g, dv)  # the merged form's scratch
-    _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o, num_rows, sinks,
-         out, q_bf16_scale, draft_slots, draft_mask, tokens)
+    none = q.new_empty(0, dtype=torch.float32)  # the merged form keeps its partials in scratch of its own
+    _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, none, none, none, num_rows,
+         sinks, out, q_bf16_scale, draft_slots, draft_mask, tokens)
     return out.to(q.dtype)
 
 

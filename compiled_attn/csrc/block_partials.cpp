@@ -42,8 +42,8 @@ static int run_blocks(const Problem& pr) {
   // Work items: in the partials form one block each; in the merged form runs of up to `span` consecutive blocks of
   // one row, folded together as they are computed, so that one partial per item is written out and merged (storing
   // every block's partials to memory took a fifth of an instrumented single-thread run).
-  // Item it covers order[item_start[it] ..][: item_count[it]] and leaves its partial at its first block's index.
-  std::vector<int64_t> item_start, item_count, row_items, item_block;
+  // Item it covers order[item_start[it] ..][: item_count[it]]; a row's items are consecutive (row_items).
+  std::vector<int64_t> item_start, item_count, row_items;
   if (pr.out) {
     const int64_t span = std::clamp<int64_t>(used / (4 * std::max(pr.threads, 1)), 1, 8);
     row_items.assign(pr.rows + 1, 0);
@@ -52,12 +52,18 @@ static int run_blocks(const Problem& pr) {
       for (int64_t j = first[r]; j < first[r + 1]; j += span) {
         item_start.push_back(j);
         item_count.push_back(std::min(span, first[r + 1] - j));
-        item_block.push_back(order[j]);
       }
     }
     row_items[pr.rows] = (int64_t)item_start.size();
   }
   const int64_t items = pr.out ? (int64_t)item_start.size() : pr.n;
+  // where an item leaves its partial: the partials form at its block, in the caller's m, l, o; the merged form at
+  // its item number, in scratch of its own (one partial per item, not a buffer for every block of the bucket)
+  Scratch<float> part_m, part_l, part_o;
+  if (pr.out) part_m.resize(items * R), part_l.resize(items * R), part_o.resize(items * R * Dv);
+  float* const pm = pr.out ? part_m.data() : pr.m;
+  float* const pl = pr.out ? part_l.data() : pr.l;
+  float* const po = pr.out ? part_o.data() : pr.o;
   // the merged form's items longest first (the threads take them in turn: a long one left for last kept the other
   // thread waiting at the merge)
   std::vector<int64_t> by_size(pr.out ? items : 0);
@@ -106,7 +112,8 @@ static int run_blocks(const Problem& pr) {
     for (int64_t i = 0; i < items; ++i) {
       const int64_t it = pr.out ? by_size[i] : i;
       const int64_t j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
-      const int64_t b0 = block_at(j0);
+      const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
+      float *m_at = pm + at * R, *l_at = pl + at * R, *o_at = po + at * R * Dv;
       int cur = 0;
       fill(b0, slots.data(), keeps.data());
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
@@ -117,20 +124,19 @@ static int run_blocks(const Problem& pr) {
         uint8_t* next_keep = keeps.data() + (cur ^ 1) * B;
         if (next_slot) fill(block_at(j + 1), next_slot, next_keep);
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
-          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, pr.m + b0 * R,
-                        pr.l + b0 * R, pr.o + b0 * R * Dv, next_slot, next_keep, j == j0, j + 1 == j1);
+          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, m_at, l_at, o_at, next_slot,
+                        next_keep, j == j0, j + 1 == j1);
           continue;
         }
         if (wide) {  // likewise
           if (ws.q_row != pr.block_req[b]) pack_wide_queries(pr, pr.block_req[b], ws);
-          wide_block<L>(pr, slot, keep, Bp, ws, pr.m + b0 * R, pr.l + b0 * R, pr.o + b0 * R * Dv, j == j0,
-                        j + 1 == j1);
+          wide_block<L>(pr, slot, keep, Bp, ws, m_at, l_at, o_at, j == j0, j + 1 == j1);
           continue;
         }
         // the item's first block writes its partial in place, the others beside it and are folded in
-        float* mo = j == j0 ? pr.m + b0 * R : bm.data();
-        float* lo = j == j0 ? pr.l + b0 * R : bl.data();
-        float* oo = j == j0 ? pr.o + b0 * R * Dv : bo.data();
+        float* mo = j == j0 ? m_at : bm.data();
+        float* lo = j == j0 ? l_at : bl.data();
+        float* oo = j == j0 ? o_at : bo.data();
         const float* q = pr.qs + pr.block_req[b] * R * D;
 #if defined(__AVX512BF16__)
         if (pairs) {
@@ -144,7 +150,7 @@ static int run_blocks(const Problem& pr) {
         }
         softmax_rows(s.data(), keep, B, Bp, R, pr.cap, mo, lo);
         vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);
-        if (j != j0) fold_partials(R, Dv, pr.m + b0 * R, pr.l + b0 * R, pr.o + b0 * R * Dv, mo, lo, oo);
+        if (j != j0) fold_partials(R, Dv, m_at, l_at, o_at, mo, lo, oo);
       }
     }
     if (tiles) ts.finish();
@@ -157,8 +163,8 @@ static int run_blocks(const Problem& pr) {
       for (int64_t r = 0; r < pr.rows; ++r) {
         if (draft && !draft_partial<L>(pr, r, ds, dm.data(), dl.data(), dout.data()))
           outside.store(1, std::memory_order_relaxed);
-        merge_row(pr, r, row_items.data(), item_block.data(), draft ? dm.data() : nullptr, dl.data(), dout.data(),
-                  acc.data());
+        merge_row(pr, r, row_items[r], row_items[r + 1], pm, pl, po, draft ? dm.data() : nullptr, dl.data(),
+                  dout.data(), acc.data());
       }
     }
   }
@@ -190,7 +196,8 @@ static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows,
 
 // kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. q: the queries (a score is q . K times
 // k_scale), of kind q_kind (0-2), [rows, hkv, G, D] (q_tokens 1) or, in the merged form, token-major with q_tokens
-// query tokens per row (gather_queries); m, l, o: the blocks' partials (the output, or the merged form's scratch);
+// query tokens per row (gather_queries); m, l, o: the blocks' partials (the partials form's output; the merged form
+// keeps its own and reads none of these, which may be null);
 // out: nullptr, or the merged form's output, token-major as q (Problem::out), bfloat16 where out_bf16 else float32
 // (sinks may be nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when q is a bfloat16 query times this
 // scale (the tile path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out,

@@ -227,7 +227,7 @@ struct Problem {
   int64_t n, hkv, G, D, Dv, B, unit;
   int64_t num_slots;        // rows of the caches: a valid position's slot outside them is refused, never read
   float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
-  float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]
+  float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]: the partials form's output (else unused)
   int threads;
   // merged form (out != nullptr): blocks whose block_req is >= rows are skipped, then each row's blocks are
   // merged (log-sum-exp rule), with sinks [hkv * G] joining every denominator, into out: token-major [rows *

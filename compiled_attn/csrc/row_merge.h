@@ -126,16 +126,16 @@ static inline void store_bf16(uint16_t* dst, const float* x, int64_t n) {
 }
 
 // Row r's output: sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the
-// sink, over the partials b of row r (order[first[r] .. first[r + 1]]) and, with dm, the draft partial (dm, dl,
-// dout); zeros for a row with none. Each query row summed in acc [Dv], then stored where Problem::out says.
-static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const int64_t* order, const float* dm,
-                      const float* dl, const float* dout, float* acc) {
+// sink, over row r's partials b in [b0, b1) of pm [., R], pl [., R], po [., R, Dv] and, with dm, the draft partial
+// (dm, dl, dout); zeros for a row with none. Each query row summed in acc [Dv], then stored where Problem::out says.
+static void merge_row(const Problem& pr, int64_t r, int64_t b0, int64_t b1, const float* pm, const float* pl,
+                      const float* po, const float* dm, const float* dl, const float* dout, float* acc) {
   const int64_t R = pr.hkv * pr.G, Dv = pr.Dv, per_token = pr.G / pr.out_tokens;
   for (int64_t i = 0; i < R; ++i) {
     float* o = acc;
     std::memset(o, 0, sizeof(float) * Dv);
     float mx = pr.sinks ? pr.sinks[i] : -INFINITY;
-    for (int64_t j = first[r]; j < first[r + 1]; ++j) mx = std::max(mx, pr.m[order[j] * R + i]);
+    for (int64_t b = b0; b < b1; ++b) mx = std::max(mx, pm[b * R + i]);
     if (dm) mx = std::max(mx, dm[i]);
     float den = mx == -INFINITY ? 0.0f : pr.sinks ? std::exp(pr.sinks[i] - mx) : 0.0f;  // -inf: no part, no sink
     auto add = [&](float m, float l, const float* ob) {
@@ -143,10 +143,7 @@ static void merge_row(const Problem& pr, int64_t r, const int64_t* first, const 
       den += w * l;
       for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) + w * loadf(ob + d));
     };
-    for (int64_t j = first[r]; j < first[r + 1] && mx != -INFINITY; ++j) {
-      const int64_t b = order[j];
-      add(pr.m[b * R + i], pr.l[b * R + i], pr.o + (b * R + i) * Dv);
-    }
+    for (int64_t b = b0; b < b1 && mx != -INFINITY; ++b) add(pm[b * R + i], pl[b * R + i], po + (b * R + i) * Dv);
     if (dm && mx != -INFINITY) add(dm[i], dl[i], dout + i * Dv);
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
