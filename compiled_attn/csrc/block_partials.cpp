@@ -190,7 +190,7 @@ static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows,
   for (int64_t i = 0; i < rows * R; ++i) {
     const int64_t r = i / R, h = i % R / G, t = i % G / per_token, g = i % per_token;
     const typename L::T* src = q + ((r * tokens + t) * hkv * per_token + h * per_token + g) * D;
-    for (int64_t d = 0; d < D; d += 16) storef(qs + i * D + d, L::load(src + d));
+    row_to_float<L>(src, D, 1.0f, qs + i * D);
   }
 }
 

@@ -158,6 +158,24 @@ inline void load32<E4M3>(const uint8_t* p, v16& a, v16& b) {  // E4M3::load's bi
 }
 #endif
 
+// N x 16 stored elements -> N float32 vectors, 32 elements at a time through load32.
+template <class L, int N>
+static inline void load_vectors(const typename L::T* p, v16* out) {
+  for (int j = 0; j + 1 < N; j += 2) load32<L>(p + 16 * j, out[j], out[j + 1]);
+  if constexpr (N % 2) out[N - 1] = L::load(p + 16 * (N - 1));
+}
+
+// n (a multiple of 16) stored elements times mul -> float32 at dst, 32 at a time through load32.
+template <class L>
+static inline void row_to_float(const typename L::T* p, int64_t n, float mul, float* dst) {
+  int64_t d = 0;
+  for (v16 a, b; d + 32 <= n; d += 32) {
+    load32<L>(p + d, a, b);
+    storef(dst + d, a * mul), storef(dst + d + 16, b * mul);
+  }
+  if (d < n) storef(dst + d, L::load(p + d) * mul);
+}
+
 // The cache formats whose values bfloat16 holds exactly (a half-precision cache keeps its 11-bit significands on
 // the float32 paths).
 template <class L> struct Bf16Exact { static constexpr bool ok = false; };

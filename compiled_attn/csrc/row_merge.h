@@ -50,8 +50,8 @@ static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float*
       if (!ds.seen[j]) continue;
       const T* kr = kc + slots[j] * pr.k_row + h * pr.k_head;
       const T* vr = vc + slots[j] * pr.v_row + h * pr.v_head;
-      for (int64_t d = 0; d < D; d += 16) storef(ds.kf.data() + j * D + d, L::load(kr + d) * pr.k_mul);
-      for (int64_t d = 0; d < Dv; d += 16) storef(ds.vf.data() + j * Dv + d, L::load(vr + d) * pr.v_mul);
+      row_to_float<L>(kr, D, pr.k_mul, ds.kf.data() + j * D);
+      row_to_float<L>(vr, Dv, pr.v_mul, ds.vf.data() + j * Dv);
     }
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = h * G + g;

@@ -28,8 +28,7 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
         std::memcpy(&vv[j + 1], &odd, 64);
       }
     } else {
-      for (int j = 0; j + 1 < DN; j += 2) load32<L>(vr + 16 * j, vv[j], vv[j + 1]);
-      if constexpr (DN % 2) vv[DN - 1] = L::load(vr + 16 * (DN - 1));
+      load_vectors<L, DN>(vr, vv);
     }
     for (int g = 0; g < GN; ++g) {
       const float x = w[g * Bp + p];
@@ -150,8 +149,7 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
       } else if (DV && G % 4 == 0) {
         const float* q0 = static_cast<const float*>(q) + h * G * D;
         v16 kv[DV ? DV : 1];
-        for (int j = 0; j + 1 < DV; j += 2) load32<L>(kr + 16 * j, kv[j], kv[j + 1]);
-        if constexpr (DV % 2) kv[DV - 1] = L::load(kr + 16 * (DV - 1));
+        load_vectors<L, DV>(kr, kv);
         for (int64_t g = 0; g < G; g += 4) {
           const float* qg = q0 + g * D;
           v16 a0 = loadf(qg) * kv[0], a1 = loadf(qg + D) * kv[0], a2 = loadf(qg + 2 * D) * kv[0],

@@ -118,7 +118,7 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
           for (int u = 0; u < U; ++u) {
             const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
             const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
-            for (int64_t d = 0; d < D; d += 16) storef(ws.kf.data() + u * D + d, L::load(kr + d));
+            row_to_float<L>(kr, D, 1.0f, ws.kf.data() + u * D);
             // the key rows two steps ahead (past the head's last, the next head's first)
             const int64_t a = i + 2 * U + u, ah = a < n ? h : h + 1, ai = a < n ? a : a - n;
             if (ah < hkv && ai < n)
@@ -156,7 +156,7 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
           if constexpr (std::is_same<L, F32>::value) {
             ws.vp[i - i0] = vr;
           } else {
-            for (int64_t d = 0; d < Dv; d += 16) storef(ws.vf.data() + (i - i0) * Dv + d, L::load(vr + d));
+            row_to_float<L>(vr, Dv, 1.0f, ws.vf.data() + (i - i0) * Dv);
             ws.vp[i - i0] = ws.vf.data() + (i - i0) * Dv;
           }
         }
