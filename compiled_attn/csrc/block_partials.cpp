@@ -45,7 +45,7 @@ static int run_blocks(const Problem& pr) {
   // Item it covers order[item_start[it] ..][: item_count[it]]; a row's items are consecutive (row_items).
   std::vector<int64_t> item_start, item_count, row_items;
   if (pr.out) {
-    const int64_t span = std::clamp<int64_t>(used / (4 * std::max(pr.threads, 1)), 1, 8);
+    const int64_t span = std::clamp<int64_t>(used / (4 * std::max(pr.threads, 1)), 1, 16);
     row_items.assign(pr.rows + 1, 0);
     for (int64_t r = 0; r < pr.rows; ++r) {
       row_items[r] = (int64_t)item_start.size();
@@ -82,6 +82,7 @@ static int run_blocks(const Problem& pr) {
   Scratch<uint16_t> qt;  // every row a block reads is packed before use
   qt.resize(tiles ? nrows * R * D : 0);
   std::atomic<int> outside{0};
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(pr.threads)
   {
     const bool vector = !tiles && !wide;
@@ -108,24 +109,49 @@ static int run_blocks(const Problem& pr) {
     }
     WideScratch ws;
     if (wide) ws.start(pr, Bp);
-#pragma omp for schedule(dynamic, pr.out ? 1 : 2)
-    for (int64_t i = 0; i < items; ++i) {
-      const int64_t it = pr.out ? by_size[i] : i;
-      const int64_t j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
+    // Items taken in turn from a shared counter, each thread claiming its next one as it starts its current one's
+    // last block: that block's slots then name the next item's first keys, which the tile path streams in while
+    // it computes (as it does for the next block within an item).
+    auto item_blocks = [&](int64_t i, int64_t& it, int64_t& j0, int64_t& j1) {
+      it = pr.out ? by_size[i] : i;
+      j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
+    };
+    int cur = 0;
+    bool streamed = false;  // whether the current block's keys were streamed in by the block before it
+    int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
+    if (i < items) {
+      int64_t it, j0, j1;
+      item_blocks(i, it, j0, j1);
+      fill(block_at(j0), slots.data(), keeps.data());
+    }
+    while (i < items) {
+      int64_t it, j0, j1, next_i = items;
+      item_blocks(i, it, j0, j1);
       const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
       float *m_at = pm + at * R, *l_at = pl + at * R, *o_at = po + at * R * Dv;
-      int cur = 0;
-      fill(b0, slots.data(), keeps.data());
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
         const int64_t b = block_at(j);
         int64_t* slot = slots.data() + cur * B;
         uint8_t* keep = keeps.data() + cur * B;
-        int64_t* next_slot = j + 1 < j1 ? slots.data() + (cur ^ 1) * B : nullptr;
+        int64_t next_b = -1;
+        if (j + 1 < j1) {
+          next_b = block_at(j + 1);
+        } else {
+          next_i = next_item.fetch_add(1, std::memory_order_relaxed);
+          if (next_i < items) {
+            int64_t nit, nj0, nj1;
+            item_blocks(next_i, nit, nj0, nj1);
+            next_b = block_at(nj0);
+          }
+        }
+        int64_t* next_slot = next_b >= 0 ? slots.data() + (cur ^ 1) * B : nullptr;
         uint8_t* next_keep = keeps.data() + (cur ^ 1) * B;
-        if (next_slot) fill(block_at(j + 1), next_slot, next_keep);
+        if (next_slot) fill(next_b, next_slot, next_keep);
+        const bool k_streamed = streamed;
+        streamed = next_slot != nullptr;
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
           tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, m_at, l_at, o_at, next_slot,
-                        next_keep, j == j0, j + 1 == j1);
+                        next_keep, j == j0, j + 1 == j1, k_streamed);
           continue;
         }
         if (wide) {  // likewise
@@ -152,8 +178,10 @@ static int run_blocks(const Problem& pr) {
         vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);
         if (j != j0) fold_partials(R, Dv, m_at, l_at, o_at, mo, lo, oo);
       }
+      i = next_i;
     }
     if (tiles) ts.finish();
+#pragma omp barrier
     if (pr.out) {
       const bool draft = pr.draft_slots != nullptr;
       std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv);

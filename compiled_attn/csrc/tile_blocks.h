@@ -24,11 +24,13 @@
 //   layout for the B operand), then per group of query rows and 64 columns, O [rows, 16 columns] += P [rows, 32
 //   positions] V_pairs in four accumulator tiles; the interleave permutes columns within each 32, undone when the
 //   item's sums are written out.
-// Prefetches: K a chunk ahead into L2 in the scores of an item's first block (the next blocks' K comes into L2
-// during the previous block's V phase), head 0's V beside it, each next head's V into L2 while a head is staged
-// and the staged head's rows a few positions ahead into L1 (the transfers spread over both phases rather than
-// bursting in one: bursts left the tile products waiting on memory; prefetches into L1 far ahead stalled on the
-// line-fill buffers or were evicted before use).
+// Prefetches, so that the reads overlap the compute: the next block's K (the next item's first block's too: the
+// caller says which block follows) comes into L2 during the V phase; where the slots run in order, the block's V
+// (all heads) during its scores and softmax, a few lines per loop step (RowStream); where they are scattered,
+// head 0's V a chunk ahead in the scores, each next head's V and K while a head is staged. The staged head's rows
+// a few positions ahead into L1. A thread's first block fetches its K a chunk ahead in its scores. (Bursts of
+// prefetches fill the line-fill buffers and hold the core; prefetches into L1 far ahead stalled on them or were
+// evicted before use.)
 #pragma once
 #include "tile_setup.h"
 
@@ -59,13 +61,46 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
+// Lines of a block's rows (all heads of each valid position's slot) prefetched into L2 a few at a time: the tile
+// path calls fetch() from inside its compute loops, so that the reads overlap the products instead of bursting
+// before them (a burst of prefetches fills the line-fill buffers and holds the core until they drain).
+struct RowStream {
+  const char* base = nullptr;
+  const int64_t* slot = nullptr;
+  const uint8_t* val = nullptr;
+  int64_t row_bytes = 0, span_bytes = 0, p = 0, end = 0, off = 0;
+
+  // rows of `row_bytes` at base, the first span_bytes of each, positions [0, end) where val holds
+  void start(const void* b, int64_t row_bytes_, int64_t span_bytes_, const int64_t* s, const uint8_t* v, int64_t n) {
+    base = static_cast<const char*>(b), row_bytes = row_bytes_, span_bytes = span_bytes_, slot = s, val = v;
+    p = 0, end = v ? n : 0, off = 0;
+    while (p < end && !val[p]) ++p;
+  }
+  int64_t lines_left() const {
+    int64_t rows = 0;
+    for (int64_t i = p; i < end; ++i) rows += val[i];
+    return rows * ((span_bytes + 63) / 64) - off / 64;
+  }
+  void fetch(int64_t lines) {
+    for (; lines > 0 && p < end; --lines) {
+      __builtin_prefetch(base + slot[p] * row_bytes + off, 0, 2);
+      if ((off += 64) >= span_bytes) {
+        off = 0;
+        do ++p; while (p < end && !val[p]);
+      }
+    }
+  }
+  void finish() { fetch(INT64_MAX); }
+};
+
 // The block's scores, 32 positions at a time (chunks with no valid position skipped, ts.cs.live says which): the
 // chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
 // tile loads in place, any other half staged as bf16, zeros at invalid positions: never used); per head and pair
 // of row groups, S^T [16 positions, gt rows] = K_half Q^T for both halves, stored position-major into ts.cs.st.
 template <class L>
 static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t c_lo,
-                        int64_t c_hi, int64_t Bp, TileScratch& ts, bool k_fetched) {
+                        int64_t c_hi, int64_t Bp, TileScratch& ts, bool k_fetched, RowStream& vs, int64_t v_per,
+                        bool v_streamed) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -88,7 +123,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
       // positions ahead stalled on the line-fill buffers
       const int64_t pos = c0 + p, ahead = pos + 32;
       const bool ok = valid_at(pos), fetch = !k_fetched && valid_at(ahead);
-      if (valid_at(ahead)) prefetch_lines<2>(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));
+      if (!v_streamed && valid_at(ahead)) prefetch_lines<2>(vc + slot[ahead] * pr.v_row, Dv * (int64_t)sizeof(T));
       for (int64_t h = 0; h < hkv; ++h) {
         if (fetch) prefetch_lines<2>(kc + slot[ahead] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
         if (direct[p / 16]) continue;
@@ -115,6 +150,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
           _tile_zero(5);
         }
         for (int64_t c = 0; c < chunks; ++c) {
+          vs.fetch(v_per);
           if (!two && (c & 1)) {  // one row group: this chunk's tiles in 4, 5 and 7 (TileScratch::start)
             TILE_LOAD(4, k0 + 32 * c, s0);
             TILE_LOAD(5, k1 + 32 * c, s1);
@@ -151,7 +187,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
 // The block's softmax (column_softmax.h) with its weights rounded to bf16, each chunk's 32 positions x 16 lanes
 // transposed in registers into the lanes' rows of ts.pt.
 static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, int64_t c_hi, int64_t Bp,
-                         TileScratch& ts) {
+                         TileScratch& ts, RowStream& vs, int64_t v_per) {
   __m512i pair_order;  // words 2n, 2n + 1 <- n, 16 + n: position 2i's and 2i + 1's weights of lane n side by side
   {
     uint16_t idx[32];
@@ -159,6 +195,7 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
     pair_order = _mm512_loadu_si512(idx);
   }
   column_softmax(pr, val, c_lo, c_hi, Bp, pr.q_bf16_scale * pr.k_mul, ts.cs, [&](int64_t sb, int64_t c0, v16* e) {
+    vs.fetch(v_per);
     __m512i w[16];
     for (int i = 0; i < 16; ++i)
       w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e[2 * i + 1], (__m512)e[2 * i]));
@@ -175,7 +212,7 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
 template <class L>
 static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t Bp,
                        TileScratch& ts, float* mo, float* lo, float* oo, const int64_t* next_slot,
-                       const uint8_t* next_val, bool first, bool last) {
+                       const uint8_t* next_val, bool first, bool last, bool k_streamed) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -187,8 +224,30 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
   int64_t c_lo, c_hi;
   live_range(val, B, Bp, c_lo, c_hi);
   if (c_lo < c_hi) {
-    tile_scores<L>(pr, qt, slot, val, c_lo, c_hi, Bp, ts, !first);
-    tile_softmax(pr, val, c_lo, c_hi, Bp, ts);
+    // The next block's K streams into L2 during this block's V phase, and where the slots run in order (the
+    // engine's allocations, pages) the block's V (all heads) during its scores and softmax, each spread over the
+    // phase's loop steps. Where they are scattered, each head's V comes in while the head before it is staged
+    // (rows from all over memory: streaming them all early held the line-fill buffers the K staging needed).
+    int64_t live_chunks = 0, in_order = 0, valid_rows = 0;
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+      bool any = false;
+      for (int64_t p = c0; p < c0 + 32; ++p)
+        if (valid_at(p)) any = true, ++valid_rows, in_order += p > 0 && valid_at(p - 1) && slot[p] == slot[p - 1] + 1;
+      live_chunks += any;
+    }
+    const bool v_streamed = 4 * in_order >= 3 * valid_rows;
+    RowStream vs, ks;
+    vs.start(vc, pr.v_row * (int64_t)sizeof(T), ((hkv - 1) * pr.v_head + Dv) * (int64_t)sizeof(T), slot,
+             v_streamed ? val : nullptr, B);
+    ks.start(kc, pr.k_row * (int64_t)sizeof(T), ((hkv - 1) * pr.k_head + D) * (int64_t)sizeof(T), next_slot,
+             v_streamed ? next_val : nullptr, next_slot ? B : 0);
+    const int64_t v_steps = live_chunks * (hkv * ((ts.groups + 1) / 2) * (D / 32) + ts.cs.nsb);
+    const int64_t k_steps = live_chunks * hkv * (16 + ts.groups * ((Dv / 16 + 3) / 4));
+    const int64_t v_per = (vs.lines_left() + v_steps - 1) / std::max<int64_t>(v_steps, 1);
+    const int64_t k_per = (ks.lines_left() + k_steps - 1) / std::max<int64_t>(k_steps, 1);
+    tile_scores<L>(pr, qt, slot, val, c_lo, c_hi, Bp, ts, k_streamed, vs, v_per, v_streamed);
+    tile_softmax(pr, val, c_lo, c_hi, Bp, ts, vs, v_per);
+    vs.finish();
     if (!first) rescale_sums(ts.cs, Dv, row_of);
     // weighted V, head by head and kVSpan positions at a time: the head's V rows staged as interleaved pairs (its
     // rows a few positions ahead into L1; the next head's and the next block's keys into L2 meanwhile), then per
@@ -203,11 +262,12 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           for (int64_t p = p0; p <= p1; ++p) {
             if (valid_at(p + 8))
               prefetch_lines(vc + slot[p + 8] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
-            if (h + 1 < hkv && valid_at(p))
+            if (!v_streamed && h + 1 < hkv && valid_at(p))
               prefetch_lines<2>(vc + slot[p] * pr.v_row + (h + 1) * pr.v_head, Dv * (int64_t)sizeof(T));
-            if (next_slot && p < B && next_val[p])
+            if (!v_streamed && next_slot && p < B && next_val[p])
               prefetch_lines<2>(kc + next_slot[p] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
           }
+          ks.fetch(k_per);
           uint16_t* dst = ts.vt.data() + (k2 - s0 / 2) * Dv * 2;
           const T* v0 = valid_at(p0) ? vc + slot[p0] * pr.v_row + h * pr.v_head : nullptr;
           const T* v1 = valid_at(p1) ? vc + slot[p1] * pr.v_row + h * pr.v_head : nullptr;
@@ -229,6 +289,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
             if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
               if (!ts.cs.live[c0 / 32]) continue;
+              ks.fetch(k_per);
               TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
               const uint16_t* vb = ts.vt.data() + (c0 - s0) / 2 * Dv * 2 + 32 * j0;
               TILE_LOAD(0, vb, Dv * 4);
@@ -247,6 +308,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           }
         }
       }
+    ks.finish();
   }
   if (!last) return;
   // the item's partial; the sums' columns back in V's order: per 32 elements the interleave put words 0-3 of each
@@ -267,6 +329,6 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
 
 template <class L>
 static void tile_block(const Problem&, const uint16_t*, const int64_t*, const uint8_t*, int64_t, TileScratch&, float*,
-                       float*, float*, const int64_t*, const uint8_t*, bool, bool) {}
+                       float*, float*, const int64_t*, const uint8_t*, bool, bool, bool) {}
 
 #endif
