@@ -111,6 +111,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
     uint32_t live = 0;
     for (int p = 0; p < 32; ++p) live |= (valid_at(c0 + p) ? 1u : 0u) << p;
     ts.cs.live[c0 / 32] = live != 0;
+    ts.valid_bits[c0 / 32] = live;
     if (!live) continue;
     bool direct[2];
     for (int half = 0; half < 2; ++half) {
@@ -184,8 +185,34 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
   }
 }
 
-// The block's softmax (column_softmax.h) with its weights rounded to bf16, each chunk's 32 positions x 16 lanes
-// transposed in registers into the lanes' rows of ts.pt.
+// One chunk's weights: per pair of positions e = exp(c s + shift) (0 at invalid positions: bits says which are
+// valid; all 32 where full), summed into sum, rounded to bf16 side by side, then 32 positions x 16 lanes transposed
+// in registers into the lanes' rows of ts.pt. The weights stay in registers (a buffer of 32 vectors between the
+// exp and the transpose had cost stores and loads).
+template <bool full>
+static inline void tile_weights(const float* sv, uint32_t bits, float c, v16 shift, __m512i pair_order, int64_t sb,
+                                int64_t c0, int64_t Bp, TileScratch& ts, v16& sum) {
+  __m512i w[16];
+  for (int i = 0; i < 16; ++i) {
+    v16 e0 = vexp(loadf(sv + (c0 + 2 * i) * 16) * c + shift), e1 = vexp(loadf(sv + (c0 + 2 * i + 1) * 16) * c + shift);
+    if (!full) {
+      if (!((bits >> (2 * i)) & 1)) e0 = v16{};
+      if (!((bits >> (2 * i + 1)) & 1)) e1 = v16{};
+    }
+    sum += e0;
+    sum += e1;
+    w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
+  }
+  transpose16(w);
+  for (int64_t lane = 0; lane < 16; ++lane) {
+    const int64_t r = ts.row_of(sb, lane);
+    if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
+  }
+}
+
+// The block's softmax, per score block as column_softmax (column_softmax.h) computes it: M = max(m, the block's
+// scores), alpha = e^(c (m - M)), l = l alpha + the sum of the weights, m = M; the weights rounded to bf16 into
+// ts.pt (tile_weights). Chunks whose 32 positions are all valid (most) go without a test per position.
 static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, int64_t c_hi, int64_t Bp,
                          TileScratch& ts, RowStream& vs, int64_t v_per) {
   __m512i pair_order;  // words 2n, 2n + 1 <- n, 16 + n: position 2i's and 2i + 1's weights of lane n side by side
@@ -194,17 +221,41 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
     for (int n = 0; n < 16; ++n) idx[2 * n] = (uint16_t)n, idx[2 * n + 1] = (uint16_t)(16 + n);
     pair_order = _mm512_loadu_si512(idx);
   }
-  column_softmax(pr, val, c_lo, c_hi, Bp, pr.q_bf16_scale * pr.k_mul, ts.cs, [&](int64_t sb, int64_t c0, v16* e) {
-    vs.fetch(v_per);
-    __m512i w[16];
-    for (int i = 0; i < 16; ++i)
-      w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e[2 * i + 1], (__m512)e[2 * i]));
-    transpose16(w);
-    for (int64_t lane = 0; lane < 16; ++lane) {
-      const int64_t r = ts.row_of(sb, lane);
-      if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
+  ColumnState& cs = ts.cs;
+  const float c = pr.q_bf16_scale * pr.k_mul;
+  for (int64_t sb = 0; sb < cs.nsb; ++sb) {
+    float* sv = cs.st.data() + sb * Bp * 16;
+    if (pr.cap > 0.f)
+      for (int64_t p = c_lo; p < c_hi; ++p)
+        if (p < pr.B && val[p])
+          for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
+    v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};  // four running maxima
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+      const uint32_t bits = ts.valid_bits[c0 / 32];
+      for (int64_t p = 0; p < 32; p += 4)
+        for (int i = 0; i < 4; ++i)
+          if (bits == ~0u || ((bits >> (p + i)) & 1)) {
+            const v16 x = loadf(sv + (c0 + p + i) * 16);
+            m4[i] = x > m4[i] ? x : m4[i];
+          }
     }
-  });
+    const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
+    const v16 mx = m01 > m23 ? m01 : m23;
+    const v16 m_old = loadf(cs.m.data() + sb * 16);
+    const v16 m_new = mx > m_old ? mx : m_old;
+    storef(cs.alpha.data() + sb * 16, vexp((m_old - m_new) * c));
+    const v16 shift = m_new * -c;
+    v16 sum{};
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+      const uint32_t bits = ts.valid_bits[c0 / 32];
+      if (!bits) continue;
+      vs.fetch(v_per);
+      if (bits == ~0u) tile_weights<true>(sv, bits, c, shift, pair_order, sb, c0, Bp, ts, sum);
+      else tile_weights<false>(sv, bits, c, shift, pair_order, sb, c0, Bp, ts, sum);
+    }
+    storef(cs.l.data() + sb * 16, loadf(cs.l.data() + sb * 16) * loadf(cs.alpha.data() + sb * 16) + sum);
+    storef(cs.m.data() + sb * 16, m_new);
+  }
 }
 
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;

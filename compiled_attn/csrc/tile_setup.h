@@ -48,6 +48,7 @@ struct TileScratch {
   Scratch<uint16_t> pt;       // [R, Bp] the block's softmax weights, bf16
   TileConfig scores{}, sums{};
   std::vector<int64_t> lane_rows;  // [score blocks * 16] the query row of each lane, -1 where none (row_of)
+  std::vector<uint32_t> valid_bits;  // [Bp / 32] per chunk of the block's scores, a bit per valid position
 
   void start(const Problem& pr, int64_t Bp) {
     gt = std::min<int64_t>(pr.G, 16);
@@ -62,6 +63,7 @@ struct TileScratch {
         const int64_t gi = sb * per + lane / lanes, n = lane % lanes;
         lane_rows[sb * 16 + lane] = gi < pr.hkv * groups && n < gt ? gi * gt + n : -1;
       }
+    valid_bits.resize(Bp / 32);
     kt.resize(pr.hkv * 32 * pr.D);
     vt.resize(std::min<int64_t>(Bp, kVSpan) * pr.Dv);
     pt.resize(R * Bp);
