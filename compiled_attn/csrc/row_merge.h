@@ -80,9 +80,9 @@ static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float*
         m = std::max(m, s[c]);
       }
       for (int64_t c = 0; c < n; c += 16) {
+        const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         v16 e = vexp(loadf(s + c) - m);
-        for (int u = 0; u < 16; ++u)
-          if (c + u >= n) e[u] = 0.0f;  // past the row's keys
+        e = lane < (int32_t)(n - c) ? e : v16{};  // 0 past the row's keys
         storef(s + c, e);
         l += hsum(e);
       }

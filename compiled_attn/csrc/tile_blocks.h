@@ -37,30 +37,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <type_traits>
 
-// 16 x 16 32-bit elements transposed in registers (r[i][j] -> r[j][i]).
-static inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {  // u[4g + j] holds rows 4g..4g+3, elements j, j + 4, j + 8, j + 12 in its lanes
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 // Lines of a block's rows (all heads of each valid position's slot) prefetched into L2 a few at a time: the tile
 // path calls fetch() from inside its compute loops, so that the reads overlap the products instead of bursting
 // before them (a burst of prefetches fills the line-fill buffers and holds the core until they drain).

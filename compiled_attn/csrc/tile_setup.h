@@ -87,25 +87,57 @@ struct TileScratch {
   int64_t row_of(int64_t sb, int64_t lane) const { return lane_rows[sb * 16 + lane]; }
 };
 
+// 16 x 16 32-bit elements transposed in registers (r[i][j] -> r[j][i]).
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // u[4g + j] holds rows 4g..4g+3, elements j, j + 4, j + 8, j + 12 in its lanes
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
 // The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the float32
 // queries divided by q_bf16_scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
-// chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1.
+// chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1. Per group and chunk the
+// rows' pairs (16 lanes of 32 bits each) are transposed in registers.
 static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
   const int64_t D = pr.D, G = pr.G, gt = std::min<int64_t>(G, 16), groups = G / gt, chunks = D / 32;
   const __m512 unscale = _mm512_set1_ps(1.0f / pr.q_bf16_scale);
   for (int64_t h = 0; h < pr.hkv; ++h)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qr = pr.qs + ((row * pr.hkv + h) * G + g) * D;
-      const int64_t t = g / gt, n = g % gt;
+    for (int64_t t = 0; t < groups; ++t)
       for (int64_t c = 0; c < chunks; ++c) {
-        const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c + 16), unscale),
-                                               _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * c), unscale));
-        uint32_t pairs[16];
-        std::memcpy(pairs, &x, 64);
-        uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt + n;
-        for (int k2 = 0; k2 < 16; ++k2) dst[k2 * gt] = pairs[k2];
+        __m512i x[16];
+        for (int64_t n = 0; n < 16; ++n) {
+          if (n >= gt) {
+            x[n] = _mm512_setzero_si512();
+            continue;
+          }
+          const float* qr = pr.qs + ((row * pr.hkv + h) * G + t * gt + n) * D + 32 * c;
+          x[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), unscale),
+                                              _mm512_mul_ps(_mm512_loadu_ps(qr), unscale));
+        }
+        transpose16(x);  // x[k2] lane n: row n's pair k2
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt;
+        for (int64_t k2 = 0; k2 < 16; ++k2) {
+          if (gt == 16) _mm512_storeu_si512(dst + k2 * 16, x[k2]);
+          else _mm512_mask_storeu_epi32(dst + k2 * gt, (__mmask16)((1u << gt) - 1), x[k2]);
+        }
       }
-    }
 }
 
 #else  // no tile unit in this build: the vector path serves every call
