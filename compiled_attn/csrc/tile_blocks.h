@@ -69,10 +69,11 @@ struct RowStream {
   void finish() { fetch(INT64_MAX); }
 };
 
-// The block's scores, 32 positions at a time (chunks with no valid position skipped, ts.cs.live says which): the
-// chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
-// tile loads in place, any other half staged as bf16, zeros at invalid positions: never used); per head and pair
-// of row groups, S^T [16 positions, gt rows] = K_half Q^T for both halves, stored position-major into ts.cs.st.
+// The block's scores in 32-position chunks (chunks with no valid position skipped, ts.cs.live says which): first
+// each chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
+// tile loads in place, ts.direct, any other half staged as bf16, zeros at invalid positions: never used); then head
+// by head (its packed queries stay in L1 across the chunks) and per pair of row groups, S^T [16 positions, gt rows]
+// = K_half Q^T for both halves of each chunk, stored position-major into ts.cs.st.
 template <class L>
 static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t c_lo,
                         int64_t c_hi, int64_t Bp, TileScratch& ts, bool k_fetched, RowStream& vs, int64_t v_per,
@@ -89,7 +90,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
     ts.cs.live[c0 / 32] = live != 0;
     ts.valid_bits[c0 / 32] = live;
     if (!live) continue;
-    bool direct[2];
+    uint8_t* direct = ts.direct.data() + c0 / 32 * 2;
     for (int half = 0; half < 2; ++half) {
       const int64_t a = c0 + 16 * half;
       direct[half] = std::is_same<L, BF16>::value && ((live >> (16 * half)) & 0xFFFF) == 0xFFFF;
@@ -104,18 +105,22 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
       for (int64_t h = 0; h < hkv; ++h) {
         if (fetch) prefetch_lines<2>(kc + slot[ahead] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
         if (direct[p / 16]) continue;
-        uint16_t* dst = ts.kt.data() + (h * 32 + p) * D;
+        uint16_t* dst = ts.kt.data() + ((c0 / 32 * hkv + h) * 32 + p) * D;
         const T* src = ok ? kc + slot[pos] * pr.k_row + h * pr.k_head : nullptr;
         for (int64_t d = 0; d < D; d += 32)
           _mm512_storeu_si512(dst + d, ok ? load32_bf16<L>(src + d) : _mm512_setzero_si512());
       }
     }
-    for (int64_t h = 0; h < hkv; ++h) {
-      const uint16_t* k0 = direct[0] ? reinterpret_cast<const uint16_t*>(kc + slot[c0] * pr.k_row + h * pr.k_head)
-                                     : ts.kt.data() + h * 32 * D;
-      const uint16_t* k1 = direct[1]
-                               ? reinterpret_cast<const uint16_t*>(kc + slot[c0 + 16] * pr.k_row + h * pr.k_head)
-                               : ts.kt.data() + (h * 32 + 16) * D;
+  }
+  // head by head (its packed queries stay in L1 across the chunks)
+  for (int64_t h = 0; h < hkv; ++h)
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+      if (!ts.cs.live[c0 / 32]) continue;
+      const uint8_t* direct = ts.direct.data() + c0 / 32 * 2;
+      const uint16_t* kt = ts.kt.data() + (c0 / 32 * hkv + h) * 32 * D;
+      const uint16_t* k0 = direct[0] ? reinterpret_cast<const uint16_t*>(kc + slot[c0] * pr.k_row + h * pr.k_head) : kt;
+      const uint16_t* k1 =
+          direct[1] ? reinterpret_cast<const uint16_t*>(kc + slot[c0 + 16] * pr.k_row + h * pr.k_head) : kt + 16 * D;
       const int64_t s0 = direct[0] ? pr.k_row * 2 : D * 2, s1 = direct[1] ? pr.k_row * 2 : D * 2;
       for (int64_t t = 0; t < ts.groups; t += 2) {
         const bool two = t + 1 < ts.groups;
@@ -158,7 +163,6 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
         }
       }
     }
-  }
 }
 
 // One chunk's weights: per pair of positions e = exp(c s + shift) (0 at invalid positions: bits says which are

@@ -43,7 +43,8 @@ struct TileScratch {
   int64_t gt = 0, groups = 0, lanes = 0, per = 0;  // lanes per group in a score block, groups per block
   ColumnState cs;             // scores (raw products: the scale goes into the exp), running softmax, sums (the
                               // columns in tile order)
-  Scratch<uint16_t> kt;       // [hkv, 32, D] one 32-position chunk's key rows, where staged
+  Scratch<uint16_t> kt;       // [Bp / 32, hkv, 32, D] the block's key rows, where staged
+  std::vector<uint8_t> direct;  // [Bp / 32, 2] per 16-position half of a chunk: 16 rows the tile loads read in place
   Scratch<uint16_t> vt;       // [kVSpan / 2, Dv, 2] one head's value rows for a span, each pair interleaved
   Scratch<uint16_t> pt;       // [R, Bp] the block's softmax weights, bf16
   TileConfig scores{}, sums{};
@@ -64,7 +65,8 @@ struct TileScratch {
         lane_rows[sb * 16 + lane] = gi < pr.hkv * groups && n < gt ? gi * gt + n : -1;
       }
     valid_bits.resize(Bp / 32);
-    kt.resize(pr.hkv * 32 * pr.D);
+    kt.resize(pr.hkv * Bp * pr.D);
+    direct.resize(Bp / 32 * 2);
     vt.resize(std::min<int64_t>(Bp, kVSpan) * pr.Dv);
     pt.resize(R * Bp);
     scores.palette = sums.palette = 1;
