@@ -20,9 +20,9 @@ struct ColumnState {
     if (nsb * 16 != R) std::fill(st.data(), st.data() + nsb * Bp * 16, 0.0f);  // lanes no query row writes stay finite
     m.resize(nsb * 16), l.resize(nsb * 16), alpha.resize(nsb * 16), acc.resize(R * Dv), live.resize(Bp / 32);
   }
-  void begin_item() {
+  void begin_item(bool zero_acc = true) {
     std::fill(m.begin(), m.end(), -FLT_MAX), std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(acc.data(), acc.data() + acc.n, 0.0f);
+    if (zero_acc) std::fill(acc.data(), acc.data() + acc.n, 0.0f);
   }
 };
 

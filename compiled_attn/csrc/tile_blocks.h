@@ -281,9 +281,10 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
   const int64_t gt = ts.gt;
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
   const auto row_of = [&](int64_t sb, int64_t lane) { return ts.row_of(sb, lane); };
-  if (first) ts.cs.begin_item();
   int64_t c_lo, c_hi;
   live_range(val, B, Bp, c_lo, c_hi);
+  // an item's first block with a valid position starts the sums in zeroed tiles (below) rather than in memory
+  if (first) ts.cs.begin_item(c_lo >= c_hi);
   if (c_lo < c_hi) {
     // The next block's K streams into L2 during this block's V phase, and where the slots run in order (the
     // engine's allocations, pages) the block's V (all heads) during its scores and softmax, each spread over the
@@ -344,10 +345,17 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           for (int64_t j0 = 0; j0 < Dv / 16; j0 += 4) {
             const int64_t jn = std::min<int64_t>(4, Dv / 16 - j0);
             float* o = ts.cs.acc.data() + r0 * Dv + 16 * j0;
-            TILE_LOAD(3, o, Dv * 4);
-            if (jn > 1) TILE_LOAD(4, o + 16, Dv * 4);
-            if (jn > 2) TILE_LOAD(5, o + 32, Dv * 4);
-            if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
+            if (first && s0 == c_lo) {
+              _tile_zero(3);
+              _tile_zero(4);
+              _tile_zero(5);
+              _tile_zero(6);
+            } else {
+              TILE_LOAD(3, o, Dv * 4);
+              if (jn > 1) TILE_LOAD(4, o + 16, Dv * 4);
+              if (jn > 2) TILE_LOAD(5, o + 32, Dv * 4);
+              if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
+            }
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
               if (!ts.cs.live[c0 / 32]) continue;
               ks.fetch(k_per);
