@@ -117,16 +117,13 @@ static int run_blocks(const Problem& pr) {
       j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
     };
     int cur = 0;
-    bool streamed = false;  // whether the current block's keys were streamed in by the block before it
+    bool streamed = false;  // whether the current block's keys were streamed in by the block before it (and its
+                            // slots filled then)
     int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
-    if (i < items) {
-      int64_t it, j0, j1;
-      item_blocks(i, it, j0, j1);
-      fill(block_at(j0), slots.data(), keeps.data());
-    }
     while (i < items) {
       int64_t it, j0, j1, next_i = items;
       item_blocks(i, it, j0, j1);
+      if (!streamed) fill(block_at(j0), slots.data() + cur * B, keeps.data() + cur * B);
       const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
       float *m_at = pm + at * R, *l_at = pl + at * R, *o_at = po + at * R * Dv;
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
