@@ -12,14 +12,14 @@
 //
 // Per block (B positions, Bp = B rounded up to 32; only the 32-position chunks from the first valid position's to
 // the last's, and of those only chunks holding one: a request's last block is mostly padding):
-// - scores (tile_scores), 32 positions at a time: the chunk's key rows, all heads, in slot order (16 valid
-//   consecutive bf16 rows read by the tile loads in place, any other 16 staged as bf16); per head and pair of row
-//   groups, S^T [16 positions, gt rows] = K Q^T (the queries packed once per call as B tiles) for both halves of
-//   the chunk, four products in flight, stored as the tiles give them: position-major, 16 lanes of query rows;
-// - the softmax (tile_softmax) down the positions with whole-vector arithmetic, continuing the running one of the
-//   block's work item (a run of a row's blocks: the running sums are rescaled to the new max, so the item writes
-//   one partial, at its last block); the weights rounded to bf16, 32 positions x 16 lanes transposed in registers
-//   into the rows the V products take;
+// - scores (tile_scores) in 32-position chunks: each chunk's key rows, all heads, in slot order (16 valid
+//   consecutive bf16 rows read by the tile loads in place, any other 16 staged as bf16); then head by head over the
+//   chunks and per pair of row groups, S^T [16 positions, gt rows] = K Q^T (the queries packed once per call as B
+//   tiles) for both halves of a chunk, four products in flight, stored as the tiles give them: position-major, 16
+//   lanes of query rows;
+// - the softmax (tile_softmax.h) down the positions with whole-vector arithmetic, continuing the running one of
+//   the block's work item (a run of a row's blocks, which writes one partial, at its last block); the weights
+//   rounded to bf16, 32 positions x 16 lanes transposed in registers into the rows the V products take;
 // - V head by head, kVSpan positions at a time: staged with each pair of positions interleaved (the tile unit's
 //   layout for the B operand), then per group of query rows and 64 columns, O [rows, 16 columns] += P [rows, 32
 //   positions] V_pairs in four accumulator tiles; the interleave permutes columns within each 32, undone when the
@@ -32,42 +32,10 @@
 // prefetches fill the line-fill buffers and hold the core; prefetches into L1 far ahead stalled on them or were
 // evicted before use.)
 #pragma once
-#include "tile_setup.h"
+#include "tile_softmax.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <type_traits>
-
-// Lines of a block's rows (all heads of each valid position's slot) prefetched into L2 a few at a time: the tile
-// path calls fetch() from inside its compute loops, so that the reads overlap the products instead of bursting
-// before them (a burst of prefetches fills the line-fill buffers and holds the core until they drain).
-struct RowStream {
-  const char* base = nullptr;
-  const int64_t* slot = nullptr;
-  const uint8_t* val = nullptr;
-  int64_t row_bytes = 0, span_bytes = 0, p = 0, end = 0, off = 0;
-
-  // rows of `row_bytes` at base, the first span_bytes of each, positions [0, end) where val holds
-  void start(const void* b, int64_t row_bytes_, int64_t span_bytes_, const int64_t* s, const uint8_t* v, int64_t n) {
-    base = static_cast<const char*>(b), row_bytes = row_bytes_, span_bytes = span_bytes_, slot = s, val = v;
-    p = 0, end = v ? n : 0, off = 0;
-    while (p < end && !val[p]) ++p;
-  }
-  int64_t lines_left() const {
-    int64_t rows = 0;
-    for (int64_t i = p; i < end; ++i) rows += val[i];
-    return rows * ((span_bytes + 63) / 64) - off / 64;
-  }
-  void fetch(int64_t lines) {
-    for (; lines > 0 && p < end; --lines) {
-      __builtin_prefetch(base + slot[p] * row_bytes + off, 0, 2);
-      if ((off += 64) >= span_bytes) {
-        off = 0;
-        do ++p; while (p < end && !val[p]);
-      }
-    }
-  }
-  void finish() { fetch(INT64_MAX); }
-};
 
 // The block's scores in 32-position chunks (chunks with no valid position skipped, ts.cs.live says which): first
 // each chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
@@ -165,109 +133,6 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
     }
 }
 
-// One chunk's weights: per pair of positions e = exp(c s + shift) (0 at invalid positions: bits says which are
-// valid; all 32 where full), summed into sum, rounded to bf16 side by side, then 32 positions x 16 lanes transposed
-// in registers into the lanes' rows of ts.pt. The weights stay in registers (a buffer of 32 vectors between the
-// exp and the transpose had cost stores and loads). mx: the scores' running max where track (tile_softmax's one
-// pass).
-template <bool full, bool track>
-static inline void tile_weights(const float* sv, uint32_t bits, float c, v16 shift, __m512i pair_order, int64_t sb,
-                                int64_t c0, int64_t Bp, TileScratch& ts, v16& sum, v16& mx) {
-  __m512i w[16];
-  for (int i = 0; i < 16; ++i) {
-    const v16 x0 = loadf(sv + (c0 + 2 * i) * 16), x1 = loadf(sv + (c0 + 2 * i + 1) * 16);
-    v16 e0 = vexp(x0 * c + shift), e1 = vexp(x1 * c + shift);
-    if (!full) {
-      if (!((bits >> (2 * i)) & 1)) e0 = v16{};
-      if (!((bits >> (2 * i + 1)) & 1)) e1 = v16{};
-    }
-    if (track) {
-      const v16 y0 = full || ((bits >> (2 * i)) & 1) ? x0 : splat(-INFINITY);
-      const v16 y1 = full || ((bits >> (2 * i + 1)) & 1) ? x1 : splat(-INFINITY);
-      const v16 y = y0 > y1 ? y0 : y1;
-      mx = y > mx ? y : mx;
-    }
-    sum += e0;
-    sum += e1;
-    w[i] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0));
-  }
-  transpose16(w);
-  for (int64_t lane = 0; lane < 16; ++lane) {
-    const int64_t r = ts.row_of(sb, lane);
-    if (r >= 0) _mm512_storeu_si512(ts.pt.data() + r * Bp + c0, w[lane]);
-  }
-}
-
-// The block's softmax, per score block as column_softmax (column_softmax.h) computes it: M = max(m, the block's
-// scores), alpha = e^(c (m - M)), l = l alpha + the sum of the weights, m = M; the weights rounded to bf16 into
-// ts.pt (tile_weights). Chunks whose 32 positions are all valid (most) go without a test per position.
-// Once every lane has a running max, a block is first taken in one pass against it (M = m, alpha = 1: no pass for
-// the max, and the running sums need no rescale); only where the block's scores pass m by more than kMaxMargin
-// (weights up to e^kMaxMargin, well inside float32 and bf16) is it done again in two passes with its own max.
-constexpr float kMaxMargin = 5.5f;  // in the exp's units: weights up to e^5.5, about 245
-static inline bool any_lane(i32x16 m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
-
-static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, int64_t c_hi, int64_t Bp,
-                         TileScratch& ts, RowStream& vs, int64_t v_per) {
-  __m512i pair_order;  // words 2n, 2n + 1 <- n, 16 + n: position 2i's and 2i + 1's weights of lane n side by side
-  {
-    uint16_t idx[32];
-    for (int n = 0; n < 16; ++n) idx[2 * n] = (uint16_t)n, idx[2 * n + 1] = (uint16_t)(16 + n);
-    pair_order = _mm512_loadu_si512(idx);
-  }
-  ColumnState& cs = ts.cs;
-  const float c = pr.q_bf16_scale * pr.k_mul;
-  for (int64_t sb = 0; sb < cs.nsb; ++sb) {
-    float* sv = cs.st.data() + sb * Bp * 16;
-    if (pr.cap > 0.f)
-      for (int64_t p = c_lo; p < c_hi; ++p)
-        if (p < pr.B && val[p])
-          for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
-    const v16 m_old = loadf(cs.m.data() + sb * 16);
-    v16 sum{}, seen = splat(-INFINITY);
-    const bool running = !any_lane(m_old == splat(-FLT_MAX));
-    if (running) {
-      for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-        const uint32_t bits = ts.valid_bits[c0 / 32];
-        if (!bits) continue;
-        vs.fetch(v_per);
-        if (bits == ~0u) tile_weights<true, true>(sv, bits, c, m_old * -c, pair_order, sb, c0, Bp, ts, sum, seen);
-        else tile_weights<false, true>(sv, bits, c, m_old * -c, pair_order, sb, c0, Bp, ts, sum, seen);
-      }
-      if (!any_lane(seen * c > m_old * c + kMaxMargin)) {
-        storef(cs.alpha.data() + sb * 16, splat(1.0f));
-        storef(cs.l.data() + sb * 16, loadf(cs.l.data() + sb * 16) + sum);
-        continue;
-      }
-      sum = v16{};
-    }
-    v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};  // four running maxima
-    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      const uint32_t bits = ts.valid_bits[c0 / 32];
-      for (int64_t p = 0; p < 32; p += 4)
-        for (int i = 0; i < 4; ++i)
-          if (bits == ~0u || ((bits >> (p + i)) & 1)) {
-            const v16 x = loadf(sv + (c0 + p + i) * 16);
-            m4[i] = x > m4[i] ? x : m4[i];
-          }
-    }
-    const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
-    const v16 mx = m01 > m23 ? m01 : m23;
-    const v16 m_new = mx > m_old ? mx : m_old;
-    storef(cs.alpha.data() + sb * 16, vexp((m_old - m_new) * c));
-    const v16 shift = m_new * -c;
-    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      const uint32_t bits = ts.valid_bits[c0 / 32];
-      if (!bits) continue;
-      if (!running) vs.fetch(v_per);
-      if (bits == ~0u) tile_weights<true, false>(sv, bits, c, shift, pair_order, sb, c0, Bp, ts, sum, seen);
-      else tile_weights<false, false>(sv, bits, c, shift, pair_order, sb, c0, Bp, ts, sum, seen);
-    }
-    storef(cs.l.data() + sb * 16, loadf(cs.l.data() + sb * 16) * loadf(cs.alpha.data() + sb * 16) + sum);
-    storef(cs.m.data() + sb * 16, m_new);
-  }
-}
-
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
 // the last writes the item's m, l, o, as the vector path's partials).
 template <class L>
@@ -286,10 +151,11 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
   // an item's first block with a valid position starts the sums in zeroed tiles (below) rather than in memory
   if (first) ts.cs.begin_item(c_lo >= c_hi);
   if (c_lo < c_hi) {
-    // The next block's K streams into L2 during this block's V phase, and where the slots run in order (the
-    // engine's allocations, pages) the block's V (all heads) during its scores and softmax, each spread over the
-    // phase's loop steps. Where they are scattered, each head's V comes in while the head before it is staged
-    // (rows from all over memory: streaming them all early held the line-fill buffers the K staging needed).
+    // Where the slots run in order (the engine's allocations, pages), the block's V (all heads) streams into L2
+    // during its scores and softmax and the next block's K during its V phase, each spread over the phase's loop
+    // steps. Where they are scattered, each head's V and the next block's K for it come in while the head before
+    // it is staged (rows from all over memory: streaming them all early held the line-fill buffers the K staging
+    // needed).
     int64_t live_chunks = 0, in_order = 0, valid_rows = 0;
     for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
       bool any = false;

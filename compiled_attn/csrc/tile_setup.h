@@ -1,5 +1,5 @@
 // The tile path's setup (tile_blocks.h has the path itself): whether it may run, its tile configurations and
-// per-thread buffers, and the queries packed as tiles.
+// per-thread buffers, the queries packed as tiles, and the stream of prefetches that brings a block's rows in.
 #pragma once
 #include "column_softmax.h"
 
@@ -141,6 +141,38 @@ static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
         }
       }
 }
+
+// Lines of a block's rows (all heads of each valid position's slot) prefetched into L2 a few at a time: the tile
+// path calls fetch() from inside its compute loops, so that the reads overlap the products instead of bursting
+// before them (a burst of prefetches fills the line-fill buffers and holds the core until they drain).
+struct RowStream {
+  const char* base = nullptr;
+  const int64_t* slot = nullptr;
+  const uint8_t* val = nullptr;
+  int64_t row_bytes = 0, span_bytes = 0, p = 0, end = 0, off = 0;
+
+  // rows of `row_bytes` at base, the first span_bytes of each, positions [0, end) where val holds
+  void start(const void* b, int64_t row_bytes_, int64_t span_bytes_, const int64_t* s, const uint8_t* v, int64_t n) {
+    base = static_cast<const char*>(b), row_bytes = row_bytes_, span_bytes = span_bytes_, slot = s, val = v;
+    p = 0, end = v ? n : 0, off = 0;
+    while (p < end && !val[p]) ++p;
+  }
+  int64_t lines_left() const {
+    int64_t rows = 0;
+    for (int64_t i = p; i < end; ++i) rows += val[i];
+    return rows * ((span_bytes + 63) / 64) - off / 64;
+  }
+  void fetch(int64_t lines) {
+    for (; lines > 0 && p < end; --lines) {
+      __builtin_prefetch(base + slot[p] * row_bytes + off, 0, 2);
+      if ((off += 64) >= span_bytes) {
+        off = 0;
+        do ++p; while (p < end && !val[p]);
+      }
+    }
+  }
+  void finish() { fetch(INT64_MAX); }
+};
 
 #else  // no tile unit in this build: the vector path serves every call
 
