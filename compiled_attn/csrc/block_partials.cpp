@@ -21,10 +21,26 @@
 #include "wide_blocks.h"
 
 
+// The queries as the kernel reads them, [rows, hkv, G, D] float32, from q token-major [rows * tokens, hkv * G /
+// tokens, D] (query row h * G + t * (G / tokens) + g of row r is token r * tokens + t's head h * G / tokens + g) in
+// its stored format (L: F32, BF16, F16).
+template <class L>
+static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows, int64_t hkv, int64_t G, int64_t D,
+                           float* qs, int threads) {
+  const int64_t per_token = G / tokens, R = hkv * G;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < rows * R; ++i) {
+    const int64_t r = i / R, h = i % R / G, t = i % G / per_token, g = i % per_token;
+    const typename L::T* src = q + ((r * tokens + t) * hkv * per_token + h * per_token + g) * D;
+    row_to_float<L>(src, D, 1.0f, qs + i * D);
+  }
+}
+
 // Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay
 // outside the cache (that position left out, nothing read there).
 template <class L, int DV>
-static int run_blocks(const Problem& pr) {
+static int run_blocks(const Problem& problem) {
+  Problem pr = problem;
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
   // the merged form: each row's blocks in order (a counting sort of block_req), unused blocks dropped
@@ -70,6 +86,13 @@ static int run_blocks(const Problem& pr) {
   for (int64_t i = 0; i < (int64_t)by_size.size(); ++i) by_size[i] = i;
   std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) { return item_count[a] > item_count[b]; });
   const bool tiles = tiles_fit<L>(pr), wide = !tiles && wide_fit(pr);
+  // bf16 queries not yet converted: the tile path packs them as they are, the other paths read float32
+  Scratch<float> qs;
+  if (!pr.qs && !tiles) {
+    qs.resize(pr.rows * R * D);
+    gather_queries<BF16>(pr.q_bf16, pr.out_tokens, pr.rows, hkv, G, D, qs.data(), pr.threads);
+    pr.qs = qs.data();
+  }
   // a bf16 query's scores by bf16 pair dot products where the vector path serves it
 #if defined(__AVX512BF16__)
   const bool pairs = !tiles && !wide && Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && DV && DV % 2 == 0 && G % 4 == 0;
@@ -204,21 +227,6 @@ static int run_head_size(const Problem& pr) {
   return run_blocks<L, 0>(pr);
 }
 
-// The queries as the kernel reads them, [rows, hkv, G, D] float32, from q token-major [rows * tokens, hkv * G /
-// tokens, D] (query row h * G + t * (G / tokens) + g of row r is token r * tokens + t's head h * G / tokens + g) in
-// its stored format (L: F32, BF16, F16).
-template <class L>
-static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows, int64_t hkv, int64_t G, int64_t D,
-                           float* qs, int threads) {
-  const int64_t per_token = G / tokens, R = hkv * G;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows * R; ++i) {
-    const int64_t r = i / R, h = i % R / G, t = i % G / per_token, g = i % per_token;
-    const typename L::T* src = q + ((r * tokens + t) * hkv * per_token + h * per_token + g) * D;
-    row_to_float<L>(src, D, 1.0f, qs + i * D);
-  }
-}
-
 // kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. q: the queries (a score is q . K times
 // k_scale), of kind q_kind (0-2), [rows, hkv, G, D] (q_tokens 1) or, in the merged form, token-major with q_tokens
 // query tokens per row (gather_queries); m, l, o: the blocks' partials (the partials form's output; the merged form
@@ -240,17 +248,20 @@ extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_r
                                  int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16) {
   if (D % 16 || Dv % 16) return 1;
   if (q_kind < 0 || q_kind > 2 || q_tokens < 1 || G % q_tokens || ((q_kind || q_tokens > 1) && !out)) return 2;
+  // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
+  const bool bf16_as_is = q_kind == 1 && q_bf16_scale == 1.0f;
   Scratch<float> qs;  // the queries converted and grouped, unless q is that already
-  if (q_kind || q_tokens > 1) {
+  if ((q_kind || q_tokens > 1) && !bf16_as_is) {
     qs.resize(rows * hkv * G * D);
     if (q_kind == 0) gather_queries<F32>(static_cast<const float*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
     if (q_kind == 1) gather_queries<BF16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
     if (q_kind == 2) gather_queries<F16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
   }
   const float f = kind == 3 ? 256.0f : 1.0f;
-  Problem pr{qs.data() ? qs.data() : static_cast<const float*>(q), block_req, runs, valid, k, v, k_row, k_head, v_row,
+  Problem pr{bf16_as_is ? nullptr : qs.data() ? qs.data() : static_cast<const float*>(q), block_req, runs, valid, k, v, k_row, k_head, v_row,
              v_head, n, hkv, G, D, Dv, B, unit, num_slots, k_scale * f, v_scale * f, cap, m, l, o, threads, rows,
-             sinks, out, q_tokens, out_bf16 != 0, q_bf16_scale, draft_slots, draft_mask, nd, tokens};
+             sinks, out, q_tokens, out_bf16 != 0, q_bf16_scale, draft_slots, draft_mask, nd, tokens,
+             bf16_as_is ? static_cast<const uint16_t*>(q) : nullptr};
   int outside = 0;
   switch (kind) {
     case 0: outside = run_head_size<F32>(pr); break;

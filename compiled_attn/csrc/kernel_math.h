@@ -263,7 +263,16 @@ struct Problem {
   const int64_t* draft_slots;
   const uint8_t* draft_mask;
   int64_t nd, tokens;
+  // merged form: the bf16 queries as the caller holds them (token-major, out_tokens a row), where qs is null: the
+  // tile path packs them as they are, other paths convert them first (run_blocks), the draft block a row at a time
+  const uint16_t* q_bf16 = nullptr;
 };
+
+// Query row i (h * G + t * (G / out_tokens) + g) of row r in the merged form's token-major bf16 queries.
+static inline const uint16_t* query_bf16(const Problem& pr, int64_t r, int64_t i) {
+  const int64_t per_token = pr.G / pr.out_tokens, h = i / pr.G, t = i % pr.G / per_token, g = i % per_token;
+  return pr.q_bf16 + ((r * pr.out_tokens + t) * pr.hkv * per_token + h * per_token + g) * pr.D;
+}
 
 // A per-call buffer left uninitialised (every element is written before it is read): a std::vector's zero fill of
 // the tile path's buffers was a memset of megabytes per call.

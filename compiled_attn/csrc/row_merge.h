@@ -22,11 +22,13 @@ static void fold_partials(int64_t R, int64_t Dv, float* m, float* l, float* o, c
 // (left out, never read). The few keys (k + a window's edge) cost a fraction of the prefix; as ATen ops around the
 // kernel (gathers, two batched matmuls, the join of the two parts) they had cost several times that.
 struct DraftScratch {
-  std::vector<float> kf, vf, s;  // [nd, D], [nd, Dv] converted rows; [nd + 16] one query row's scores
+  std::vector<float> kf, vf, s, q;  // [nd, D], [nd, Dv] converted rows; [nd + 16] one query row's scores; [D] its
+                                   // query, where the queries are bf16 as the caller holds them
   std::vector<int64_t> ids;      // [nd] the keys a query row sees
   std::vector<uint8_t> seen;     // [nd] keys some token of the row sees
   void start(const Problem& pr) {
     kf.resize(pr.nd * pr.D), vf.resize(pr.nd * pr.Dv), s.resize(pr.nd + 16), ids.resize(pr.nd), seen.resize(pr.nd);
+    q.resize(pr.D);
   }
 };
 
@@ -55,7 +57,8 @@ static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float*
     }
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = h * G + g;
-      const float* q = pr.qs + (r * pr.hkv * G + i) * D;
+      const float* q = pr.qs ? pr.qs + (r * pr.hkv * G + i) * D : ds.q.data();
+      if (!pr.qs) row_to_float<BF16>(query_bf16(pr, r, i), D, 1.0f, ds.q.data());
       const uint8_t* shows = mask + (g / per_token) * nd;
       int64_t n = 0;
       for (int64_t j = 0; j < nd; ++j)

@@ -129,6 +129,10 @@ static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
             x[n] = _mm512_setzero_si512();
             continue;
           }
+          if (!pr.qs) {  // bf16 as the caller holds it (q_bf16_scale 1)
+            x[n] = _mm512_loadu_si512(query_bf16(pr, row, h * G + t * gt + n) + 32 * c);
+            continue;
+          }
           const float* qr = pr.qs + ((row * pr.hkv + h) * G + t * gt + n) * D + 32 * c;
           x[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), unscale),
                                               _mm512_mul_ps(_mm512_loadu_ps(qr), unscale));
