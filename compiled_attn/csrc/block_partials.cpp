@@ -27,13 +27,10 @@
 template <class L>
 static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows, int64_t hkv, int64_t G, int64_t D,
                            float* qs, int threads) {
-  const int64_t per_token = G / tokens, R = hkv * G;
+  const int64_t R = hkv * G;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < rows * R; ++i) {
-    const int64_t r = i / R, h = i % R / G, t = i % G / per_token, g = i % per_token;
-    const typename L::T* src = q + ((r * tokens + t) * hkv * per_token + h * per_token + g) * D;
-    row_to_float<L>(src, D, 1.0f, qs + i * D);
-  }
+  for (int64_t i = 0; i < rows * R; ++i)
+    row_to_float<L>(q + token_major_offset(i / R, i % R, tokens, hkv, G, D), D, 1.0f, qs + i * D);
 }
 
 // Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay

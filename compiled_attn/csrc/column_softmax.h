@@ -34,6 +34,30 @@ static void live_range(const uint8_t* val, int64_t B, int64_t Bp, int64_t& c_lo,
     if (val[p]) c_lo = std::min(c_lo, p / 32 * 32), c_hi = p / 32 * 32 + 32;
 }
 
+// The soft-cap on a score block's valid scores (sv: position-major, 16 lanes; valid(p): whether position p is;
+// c: the scale the scores still need).
+template <class Valid>
+static void cap_scores(const Problem& pr, float* sv, int64_t c_lo, int64_t c_hi, float c, Valid&& valid) {
+  for (int64_t p = c_lo; p < c_hi; ++p)
+    if (valid(p))
+      for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
+}
+
+// Per lane the max of a score block's valid scores (-inf where none), in four running maxima (c_lo and c_hi are
+// multiples of 32): one was a chain of dependent max instructions.
+template <class Valid>
+static v16 scores_max(const float* sv, int64_t c_lo, int64_t c_hi, Valid&& valid) {
+  v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};
+  for (int64_t p = c_lo; p < c_hi; p += 4)
+    for (int i = 0; i < 4; ++i)
+      if (valid(p + i)) {
+        const v16 x = loadf(sv + (p + i) * 16);
+        m4[i] = x > m4[i] ? x : m4[i];
+      }
+  const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
+  return m01 > m23 ? m01 : m23;
+}
+
 // The block's softmax per score block: M = max(m, the block's scores), alpha = e^(c (m - M)) (to rescale what was
 // summed), P = e^(c (s - M)) (0 at invalid positions), l = l alpha + the sum of P, m = M; each live chunk's 32
 // weight vectors handed to emit(sb, c0, e). c: the scale the scores still need (the tile path's raw products);
@@ -45,20 +69,8 @@ static void column_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, 
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
   for (int64_t sb = 0; sb < cs.nsb; ++sb) {
     float* sv = cs.st.data() + sb * Bp * 16;
-    if (pr.cap > 0.f)
-      for (int64_t p = c_lo; p < c_hi; ++p)
-        if (valid_at(p))
-          for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
-    // four running maxima (c_lo and c_hi are multiples of 32): one was a chain of dependent max instructions
-    v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};
-    for (int64_t p = c_lo; p < c_hi; p += 4)
-      for (int i = 0; i < 4; ++i)
-        if (valid_at(p + i)) {
-          const v16 x = loadf(sv + (p + i) * 16);
-          m4[i] = x > m4[i] ? x : m4[i];
-        }
-    const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
-    const v16 mx = m01 > m23 ? m01 : m23;
+    if (pr.cap > 0.f) cap_scores(pr, sv, c_lo, c_hi, c, valid_at);
+    const v16 mx = scores_max(sv, c_lo, c_hi, valid_at);
     const v16 m_old = loadf(cs.m.data() + sb * 16);
     const v16 m_new = mx > m_old ? mx : m_old;
     storef(cs.alpha.data() + sb * 16, vexp((m_old - m_new) * c));

@@ -268,10 +268,18 @@ struct Problem {
   const uint16_t* q_bf16 = nullptr;
 };
 
-// Query row i (h * G + t * (G / out_tokens) + g) of row r in the merged form's token-major bf16 queries.
+// Where query row i (h * G + t * (G / tokens) + g) of row r starts in token-major rows [rows * tokens, hkv * G /
+// tokens, width] (the queries as the caller holds them, the merged form's output): token r * tokens + t, head
+// h * G / tokens + g.
+static inline int64_t token_major_offset(int64_t r, int64_t i, int64_t tokens, int64_t hkv, int64_t G,
+                                         int64_t width) {
+  const int64_t per_token = G / tokens, h = i / G, t = i % G / per_token, g = i % per_token;
+  return ((r * tokens + t) * hkv * per_token + h * per_token + g) * width;
+}
+
+// Query row i of row r in the merged form's token-major bf16 queries.
 static inline const uint16_t* query_bf16(const Problem& pr, int64_t r, int64_t i) {
-  const int64_t per_token = pr.G / pr.out_tokens, h = i / pr.G, t = i % pr.G / per_token, g = i % per_token;
-  return pr.q_bf16 + ((r * pr.out_tokens + t) * pr.hkv * per_token + h * per_token + g) * pr.D;
+  return pr.q_bf16 + token_major_offset(r, i, pr.out_tokens, pr.hkv, pr.G, pr.D);
 }
 
 // A per-call buffer left uninitialised (every element is written before it is read): a std::vector's zero fill of

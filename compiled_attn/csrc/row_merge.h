@@ -133,7 +133,7 @@ static inline void store_bf16(uint16_t* dst, const float* x, int64_t n) {
 // (dm, dl, dout); zeros for a row with none. Each query row summed in acc [Dv], then stored where Problem::out says.
 static void merge_row(const Problem& pr, int64_t r, int64_t b0, int64_t b1, const float* pm, const float* pl,
                       const float* po, const float* dm, const float* dl, const float* dout, float* acc) {
-  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv, per_token = pr.G / pr.out_tokens;
+  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv;
   for (int64_t i = 0; i < R; ++i) {
     float* o = acc;
     std::memset(o, 0, sizeof(float) * Dv);
@@ -150,8 +150,7 @@ static void merge_row(const Problem& pr, int64_t r, int64_t b0, int64_t b1, cons
     if (dm && mx != -INFINITY) add(dm[i], dl[i], dout + i * Dv);
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
-    const int64_t h = i / pr.G, t = i % pr.G / per_token, g = i % per_token;
-    const int64_t at = ((r * pr.out_tokens + t) * pr.hkv * per_token + h * per_token + g) * Dv;
+    const int64_t at = token_major_offset(r, i, pr.out_tokens, pr.hkv, pr.G, Dv);
     if (pr.out_bf16) store_bf16(static_cast<uint16_t*>(pr.out) + at, o, Dv);
     else std::memcpy(static_cast<float*>(pr.out) + at, o, sizeof(float) * Dv);
   }

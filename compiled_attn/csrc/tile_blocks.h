@@ -37,11 +37,12 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <type_traits>
 
-// The block's scores in 32-position chunks (chunks with no valid position skipped, ts.cs.live says which): first
-// each chunk's key rows, all heads, in slot order (a 16-position half of 16 valid consecutive bf16 rows read by the
-// tile loads in place, ts.direct, any other half staged as bf16, zeros at invalid positions: never used); then head
-// by head (its packed queries stay in L1 across the chunks) and per pair of row groups, S^T [16 positions, gt rows]
-// = K_half Q^T for both halves of each chunk, stored position-major into ts.cs.st.
+// The block's scores in 32-position chunks (ts.valid_bits, filled by the caller, says which positions are valid;
+// chunks with none are skipped): first each chunk's key rows, all heads, in slot order (a 16-position half of 16
+// valid consecutive bf16 rows read by the tile loads in place, ts.direct, any other half staged as bf16, zeros at
+// invalid positions: never used); then head by head (its packed queries stay in L1 across the chunks) and per pair
+// of row groups, S^T [16 positions, gt rows] = K_half Q^T for both halves of each chunk, stored position-major into
+// ts.cs.st.
 template <class L>
 static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t c_lo,
                         int64_t c_hi, int64_t Bp, TileScratch& ts, bool k_fetched, RowStream& vs, int64_t v_per,
@@ -53,10 +54,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
   TileScratch::load(ts.scores);
   for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-    uint32_t live = 0;
-    for (int p = 0; p < 32; ++p) live |= (valid_at(c0 + p) ? 1u : 0u) << p;
-    ts.cs.live[c0 / 32] = live != 0;
-    ts.valid_bits[c0 / 32] = live;
+    const uint32_t live = ts.valid_bits[c0 / 32];
     if (!live) continue;
     uint8_t* direct = ts.direct.data() + c0 / 32 * 2;
     for (int half = 0; half < 2; ++half) {
@@ -83,7 +81,7 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
   // head by head (its packed queries stay in L1 across the chunks)
   for (int64_t h = 0; h < hkv; ++h)
     for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      if (!ts.cs.live[c0 / 32]) continue;
+      if (!ts.valid_bits[c0 / 32]) continue;
       const uint8_t* direct = ts.direct.data() + c0 / 32 * 2;
       const uint16_t* kt = ts.kt.data() + (c0 / 32 * hkv + h) * 32 * D;
       const uint16_t* k0 = direct[0] ? reinterpret_cast<const uint16_t*>(kc + slot[c0] * pr.k_row + h * pr.k_head) : kt;
@@ -157,11 +155,15 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
     // it is staged (rows from all over memory: streaming them all early held the line-fill buffers the K staging
     // needed).
     int64_t live_chunks = 0, in_order = 0, valid_rows = 0;
-    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      bool any = false;
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {  // each chunk's valid positions, a bit each (ts.valid_bits)
+      uint32_t bits = 0;
       for (int64_t p = c0; p < c0 + 32; ++p)
-        if (valid_at(p)) any = true, ++valid_rows, in_order += p > 0 && valid_at(p - 1) && slot[p] == slot[p - 1] + 1;
-      live_chunks += any;
+        if (valid_at(p)) {
+          bits |= 1u << (p - c0), ++valid_rows;
+          in_order += p > 0 && valid_at(p - 1) && slot[p] == slot[p - 1] + 1;
+        }
+      ts.valid_bits[c0 / 32] = bits;
+      live_chunks += bits != 0;
     }
     const bool v_streamed = 4 * in_order >= 3 * valid_rows;
     RowStream vs, ks;
@@ -174,7 +176,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
     const int64_t v_per = (vs.lines_left() + v_steps - 1) / std::max<int64_t>(v_steps, 1);
     const int64_t k_per = (ks.lines_left() + k_steps - 1) / std::max<int64_t>(k_steps, 1);
     tile_scores<L>(pr, qt, slot, val, c_lo, c_hi, Bp, ts, k_streamed, vs, v_per, v_streamed);
-    tile_softmax(pr, val, c_lo, c_hi, Bp, ts, vs, v_per);
+    tile_softmax(pr, c_lo, c_hi, Bp, ts, vs, v_per);
     vs.finish();
     if (!first) rescale_sums(ts.cs, Dv, row_of);
     // weighted V, head by head and kVSpan positions at a time: the head's V rows staged as interleaved pairs (its
@@ -186,7 +188,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
         const int64_t s1 = std::min(c_hi, s0 + kVSpan);
         for (int64_t k2 = s0 / 2; k2 < s1 / 2; ++k2) {
           const int64_t p0 = 2 * k2, p1 = p0 + 1;
-          if (!ts.cs.live[p0 / 32]) continue;
+          if (!ts.valid_bits[p0 / 32]) continue;
           for (int64_t p = p0; p <= p1; ++p) {
             if (valid_at(p + 8))
               prefetch_lines(vc + slot[p + 8] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
@@ -223,7 +225,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
               if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
             }
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
-              if (!ts.cs.live[c0 / 32]) continue;
+              if (!ts.valid_bits[c0 / 32]) continue;
               ks.fetch(k_per);
               TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
               const uint16_t* vb = ts.vt.data() + (c0 - s0) / 2 * Dv * 2 + 32 * j0;

@@ -48,8 +48,8 @@ static inline void tile_weights(const float* sv, uint32_t bits, float c, v16 shi
 constexpr float kMaxMargin = 5.5f;  // in the exp's units: weights up to e^5.5, about 245
 static inline bool any_lane(i32x16 m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
 
-static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, int64_t c_hi, int64_t Bp,
-                         TileScratch& ts, RowStream& vs, int64_t v_per) {
+static void tile_softmax(const Problem& pr, int64_t c_lo, int64_t c_hi, int64_t Bp, TileScratch& ts, RowStream& vs,
+                         int64_t v_per) {
   __m512i pair_order;  // words 2n, 2n + 1 <- n, 16 + n: position 2i's and 2i + 1's weights of lane n side by side
   {
     uint16_t idx[32];
@@ -58,12 +58,10 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
   }
   ColumnState& cs = ts.cs;
   const float c = pr.q_bf16_scale * pr.k_mul;
+  auto valid_at = [&](int64_t p) { return (ts.valid_bits[p / 32] >> (p % 32)) & 1; };
   for (int64_t sb = 0; sb < cs.nsb; ++sb) {
     float* sv = cs.st.data() + sb * Bp * 16;
-    if (pr.cap > 0.f)
-      for (int64_t p = c_lo; p < c_hi; ++p)
-        if (p < pr.B && val[p])
-          for (int i = 0; i < 16; ++i) sv[p * 16 + i] = pr.cap * std::tanh(sv[p * 16 + i] * c / pr.cap) / c;
+    if (pr.cap > 0.f) cap_scores(pr, sv, c_lo, c_hi, c, valid_at);
     const v16 m_old = loadf(cs.m.data() + sb * 16);
     v16 sum{}, seen = splat(-INFINITY);
     const bool running = !any_lane(m_old == splat(-FLT_MAX));
@@ -82,18 +80,7 @@ static void tile_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, in
       }
       sum = v16{};
     }
-    v16 m4[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};  // four running maxima
-    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
-      const uint32_t bits = ts.valid_bits[c0 / 32];
-      for (int64_t p = 0; p < 32; p += 4)
-        for (int i = 0; i < 4; ++i)
-          if (bits == ~0u || ((bits >> (p + i)) & 1)) {
-            const v16 x = loadf(sv + (c0 + p + i) * 16);
-            m4[i] = x > m4[i] ? x : m4[i];
-          }
-    }
-    const v16 m01 = m4[0] > m4[1] ? m4[0] : m4[1], m23 = m4[2] > m4[3] ? m4[2] : m4[3];
-    const v16 mx = m01 > m23 ? m01 : m23;
+    const v16 mx = scores_max(sv, c_lo, c_hi, valid_at);
     const v16 m_new = mx > m_old ? mx : m_old;
     storef(cs.alpha.data() + sb * 16, vexp((m_old - m_new) * c));
     const v16 shift = m_new * -c;
