@@ -216,40 +216,6 @@ def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written file left
 
 
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_sinks):
-    """``native_decode_blocks`` (blocks and merge in one call) over a bucket's index with unused blocks and a row
-    that has none: the unused blocks are never computed (their slots point past the cache), a row with no block
-    gives zeros (or, with sinks, still zeros: a sink has no value), and every row equals ``merge_partials`` of the
-    kernel's partials and the float64 softmax with the sinks in its denominator."""
-    from compiled_attn.merge import merge_partials
-    from compiled_attn.native_decode import native_decode_blocks
-
-    b, index = _batch([40, 130, 3], hq=8, hkv=2, d=64, page_size=1, block_size=16)
-    rows = 4  # one more row than requests: it owns no block
-    qs = scaled_queries(torch.cat([b.q, b.q[:1]]), 2, 0.125)
-    n = int((index.block_req < 3).sum())
-    block_req = torch.cat([index.block_req[:n], torch.full((5,), rows)])  # five unused blocks, as a bucket pads
-    runs = torch.cat([index.runs[:n], torch.full((5, index.runs.shape[1]), 10 ** 9)])  # never read
-    valid = torch.cat([index.valid[:n], torch.ones(5, index.valid.shape[1], dtype=torch.bool)])
-    sinks = torch.randn(2, 4) if with_sinks else None
-    out = native_decode_blocks(qs.flatten(1, 2), block_req, runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
-                               rows, sinks).unflatten(1, (2, -1))  # q token-major, one token per row: [rows, Hq, D]
-    m, lsum, o = native_block_partials(qs, block_req[:n], runs[:n], valid[:n], 1, b.k_cache, b.v_cache, 1.0, 1.0,
-                                       0.0)
-    torch.testing.assert_close(out, merge_partials(m, lsum, o, block_req[:n], rows, sinks), atol=1e-6, rtol=1e-5)
-    assert (out[3] == 0).all()
-    for r, length in enumerate([40, 130, 3]):
-        slots = b.req_to_token[b.rows[r], :length].long()
-        q = qs[r].double()  # [Hkv, G, D]
-        s = torch.einsum("hgd,nhd->hgn", q, b.k_cache[slots].double())
-        if with_sinks:
-            s = torch.cat([s, sinks.double()[..., None]], -1)
-        p = torch.softmax(s, -1)[..., :length]
-        want = torch.einsum("hgn,nhd->hgd", p, b.v_cache[slots].double())
-        torch.testing.assert_close(out[r].double(), want, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, bf16", [(4, False), (16, True)], ids=["vector", "tiles"])
 def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
@@ -338,55 +304,3 @@ def _check_tile_path(b, index, hkv, scale, scales_and_caps):
         assert ((o.double() - ro).abs() <= bound).all()
         vector = native_block_partials(*args, k_scale, v_scale, cap)[2]  # no q_bf16_scale: the vector path
         assert (vector - o).abs().max() > 1e-5
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("bf16", [False, True], ids=["vector", "tiles"])
-def test_draft_keys_join_each_rows_merge(bf16, page_size):
-    """Verify's draft block in the merged op: each row's blocks and its draft keys (``draft_slots``), of which each
-    query token sees those ``draft_mask`` shows it (query row i of a KV head is token i // (G // tokens)), merged
-    into one softmax, against float64 with sinks and a soft-cap; a row with no block and no key it sees gives
-    zeros, a bucket's unused blocks are skipped. With a bf16 query and 16 rows per KV head its blocks take the tile
-    path where there is one (the draft keys are float32 arithmetic on every path). The op reads q token-major as
-    verify holds it (a row's 4 tokens x 8 heads; bf16 as it is, the softmax scale in k_scale) and writes its output
-    so, in q's dtype (bf16 rounded as torch rounds)."""
-    from compiled_attn.native_decode import native_decode_blocks
-
-    lens, tokens, nd = [40, 130, 3], 4, 6
-    b, index = _batch(lens, hq=32, hkv=2, d=64, page_size=page_size, block_size=32, kv_dtype=torch.bfloat16)
-    q = torch.cat([b.q, b.q[:1]])
-    if bf16:
-        q = q.bfloat16()
-    rows = 4  # one more row than requests: it owns no block and sees no draft key
-    qs = scaled_queries(q, 2, 0.125)
-    g = torch.Generator().manual_seed(1)
-    n = int((index.block_req < 3).sum())
-    block_req = torch.cat([index.block_req[:n], torch.full((3,), rows)])
-    runs = torch.cat([index.runs[:n], torch.full((3, index.runs.shape[1]), 10 ** 9)])  # never read
-    valid = torch.cat([index.valid[:n], torch.ones(3, index.valid.shape[1], dtype=torch.bool)])
-    written = torch.cat([b.req_to_token[b.rows[r], :ln].long() for r, ln in enumerate(lens)])  # others hold NaN
-    slots = written[torch.randint(0, written.shape[0], (rows, nd), generator=g)]
-    shows = torch.rand(rows, tokens, nd, generator=g) < 0.6
-    shows[3] = False
-    sinks = torch.randn(2, 16, generator=g)
-    for cap, sink in ((0.0, None), (4.0, sinks)):
-        # token t's head h * 4 + g is row (h, t * 4 + g) of qs: [rows * tokens, 8, D], unscaled
-        q_tokens = (qs / 0.125).view(rows, 2, tokens, 4, -1).transpose(1, 2).reshape(rows * tokens, 8, -1).to(q.dtype)
-        out = native_decode_blocks(q_tokens, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 0.125, 1.0,
-                                   cap, rows, sink, 1.0 if bf16 else 0.0, slots, shows, tokens)
-        assert out.dtype == q.dtype and out.shape == (rows * tokens, 8, 64)
-        out = out.view(rows, tokens, 2, 4, 64).transpose(1, 2).reshape(rows, 2, 16, 64)  # as qs's rows
-        assert (out[3] == 0).all()
-        for r, length in enumerate(lens):
-            keys = torch.cat([b.req_to_token[b.rows[r], :length].long(), slots[r]])
-            s = torch.einsum("hgd,nhd->hgn", qs[r].double(), b.k_cache[keys].double())
-            if cap:
-                s = cap * torch.tanh(s / cap)
-            seen = torch.cat([torch.ones(tokens, length, dtype=torch.bool), shows[r]], 1)  # [tokens, keys]
-            s = s.masked_fill(~seen.repeat_interleave(16 // tokens, 0)[None], -torch.inf)
-            if sink is not None:
-                s = torch.cat([s, sink.double()[..., None]], -1)
-            p = torch.softmax(s, -1)[..., :keys.shape[0]]
-            want = torch.einsum("hgn,nhd->hgd", p, b.v_cache[keys].double())
-            tol = 4e-3 if bf16 else 1e-5
-            torch.testing.assert_close(out[r].double(), want, atol=tol, rtol=tol)

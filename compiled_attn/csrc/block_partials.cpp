@@ -20,6 +20,8 @@
 #include "vector_blocks.h"
 #include "wide_blocks.h"
 
+#include <omp.h>
+
 
 // The queries as the kernel reads them, [rows, hkv, G, D] float32, from q token-major [rows * tokens, hkv * G /
 // tokens, D] (query row h * G + t * (G / tokens) + g of row r is token r * tokens + t's head h * G / tokens + g) in
@@ -33,6 +35,8 @@ static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows,
     row_to_float<L>(q + token_major_offset(i / R, i % R, tokens, hkv, G, D), D, 1.0f, qs + i * D);
 }
 
+constexpr int64_t kUnitsPerThread = 2;  // work units a thread at least, where heads can be split (run_blocks)
+
 // Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay
 // outside the cache (that position left out, nothing read there).
 template <class L, int DV>
@@ -41,8 +45,11 @@ static int run_blocks(const Problem& problem) {
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
   // the merged form: each row's blocks in order (a counting sort of block_req), unused blocks dropped
-  std::vector<int64_t> first, order;
+  std::vector<int64_t> first, order, token_rows;
   if (pr.out) {
+    token_rows.resize(R);
+    for (int64_t i = 0; i < R; ++i) token_rows[i] = token_major_offset(0, i, pr.out_tokens, hkv, G, 1);
+    pr.token_rows = token_rows.data();
     first.assign(pr.rows + 2, 0);
     for (int64_t b = 0; b < pr.n; ++b) first[std::min(pr.block_req[b], pr.rows) + 1]++;
     for (int64_t r = 0; r <= pr.rows; ++r) first[r + 1] += first[r];
@@ -70,6 +77,20 @@ static int run_blocks(const Problem& problem) {
     row_items[pr.rows] = (int64_t)item_start.size();
   }
   const int64_t items = pr.out ? (int64_t)item_start.size() : pr.n;
+  // Work units: an item's blocks for a group of KV heads. Where a batch has few items (bs 1: a few blocks) whole
+  // items left a thread idle for most of a block, and the rows' merges ran on one thread: the merged form splits
+  // each item into hsplit groups of heads, the fewest that make kUnitsPerThread units a thread.
+  int64_t hsplit = 1;
+  while (pr.out && hsplit < hkv && items * hsplit < kUnitsPerThread * pr.threads)
+    for (++hsplit; hkv % hsplit; ++hsplit) {}
+  const int64_t hn = hkv / hsplit, units = items * hsplit;
+  Problem unit_pr = pr;  // a unit's problem: its heads, from its first (unit_heads)
+  unit_pr.hkv = hn;
+  typedef typename L::T T;
+  auto unit_heads = [&](Problem& up, int64_t h0) {
+    up.k = static_cast<const T*>(pr.k) + h0 * pr.k_head;
+    up.v = static_cast<const T*>(pr.v) + h0 * pr.v_head;
+  };
   // where an item leaves its partial: the partials form at its block, in the caller's m, l, o; the merged form at
   // its item number, in scratch of its own (one partial per item, not a buffer for every block of the bucket)
   Scratch<float> part_m, part_l, part_o;
@@ -102,12 +123,15 @@ static int run_blocks(const Problem& problem) {
   Scratch<uint16_t> qt;  // every row a block reads is packed before use
   qt.resize(tiles ? nrows * R * D : 0);
   std::atomic<int> outside{0};
-  std::atomic<int64_t> next_item{0};
+  std::atomic<int64_t> next_unit{0};
+  const bool draft = pr.out && pr.draft_slots != nullptr;
+  const int64_t Rn = hn * G;  // a unit's query rows
 #pragma omp parallel num_threads(pr.threads)
   {
     const bool vector = !tiles && !wide;
-    std::vector<float> s(vector ? R * Bp : 0), qv(vector && !pairs ? R * D : 0), bm(R), bl(R), bo(pr.out && vector ? R * Dv : 0);
-    std::vector<uint16_t> qb(pairs ? R * D : 0);
+    std::vector<float> s(vector ? Rn * Bp : 0), qv(vector && !pairs ? Rn * D : 0), bm(Rn), bl(Rn),
+        bo(pr.out && vector ? Rn * Dv : 0);
+    std::vector<uint16_t> qb(pairs ? Rn * D : 0);
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
     std::vector<uint8_t> keeps(2 * B);
@@ -121,44 +145,63 @@ static int run_blocks(const Problem& problem) {
         }
       }
     };
+    // a row's draft partial and merge, for the heads [h0, h0 + hn), after every item is done (merging a row whose
+    // blocks are one item as the item ended, its partial still in cache, had slowed the blocks' reads more)
+    std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv), weights;
+    DraftScratch ds;
+    if (draft) ds.start(pr);
+    auto finish_row = [&](int64_t r, int64_t h0) {
+      if (draft && !draft_partial<L>(pr, r, h0, h0 + hn, ds, dm.data(), dl.data(), dout.data()))
+        outside.store(1, std::memory_order_relaxed);
+      merge_row(pr, r, h0 * G, (h0 + hn) * G, row_items[r], row_items[r + 1], pm, pl, po, draft ? dm.data() : nullptr,
+                dl.data(), dout.data(), weights, acc.data());
+    };
     TileScratch ts;
     if (tiles) {
-      ts.start(pr, Bp);
+      ts.start(unit_pr, Bp);
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < nrows; ++r) pack_queries(pr, r, qt.data());
+      for (int64_t rh = 0; rh < nrows * hkv; ++rh) pack_queries(pr, rh / hkv, rh % hkv, qt.data());
     }
     WideScratch ws;
-    if (wide) ws.start(pr, Bp);
-    // Items taken in turn from a shared counter, each thread claiming its next one as it starts its current one's
-    // last block: that block's slots then name the next item's first keys, which the tile path streams in while
-    // it computes (as it does for the next block within an item).
-    auto item_blocks = [&](int64_t i, int64_t& it, int64_t& j0, int64_t& j1) {
-      it = pr.out ? by_size[i] : i;
+    if (wide) ws.start(unit_pr, Bp, hkv);
+    // Units taken in turn from a shared counter, each thread's first by its number (claimed from the counter, a
+    // thread starting a moment late found the first units gone), each next one claimed as a thread starts its
+    // current one's last block: that block's slots then name the next unit's first keys, which the tile path
+    // streams in while it computes (as it does for the next block within an item).
+#pragma omp single
+    next_unit.store(omp_get_num_threads(), std::memory_order_relaxed);
+    auto unit_blocks = [&](int64_t u, int64_t& it, int64_t& h0, int64_t& j0, int64_t& j1) {
+      it = pr.out ? by_size[u / hsplit] : u;
+      h0 = u % hsplit * hn;
       j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
     };
+    Problem up = unit_pr;
     int cur = 0;
     bool streamed = false;  // whether the current block's keys were streamed in by the block before it (and its
                             // slots filled then)
-    int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
-    while (i < items) {
-      int64_t it, j0, j1, next_i = items;
-      item_blocks(i, it, j0, j1);
+    int64_t u = omp_get_thread_num();
+    while (u < units) {
+      int64_t it, h0, j0, j1, next_u = units;
+      unit_blocks(u, it, h0, j0, j1);
+      unit_heads(up, h0);
       if (!streamed) fill(block_at(j0), slots.data() + cur * B, keeps.data() + cur * B);
       const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
-      float *m_at = pm + at * R, *l_at = pl + at * R, *o_at = po + at * R * Dv;
+      float *m_at = pm + at * R + h0 * G, *l_at = pl + at * R + h0 * G, *o_at = po + (at * R + h0 * G) * Dv;
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
         const int64_t b = block_at(j);
         int64_t* slot = slots.data() + cur * B;
         uint8_t* keep = keeps.data() + cur * B;
         int64_t next_b = -1;
+        const void* next_k = up.k;
         if (j + 1 < j1) {
           next_b = block_at(j + 1);
         } else {
-          next_i = next_item.fetch_add(1, std::memory_order_relaxed);
-          if (next_i < items) {
-            int64_t nit, nj0, nj1;
-            item_blocks(next_i, nit, nj0, nj1);
+          next_u = next_unit.fetch_add(1, std::memory_order_relaxed);
+          if (next_u < units) {
+            int64_t nit, nh0, nj0, nj1;
+            unit_blocks(next_u, nit, nh0, nj0, nj1);
             next_b = block_at(nj0);
+            next_k = static_cast<const T*>(pr.k) + nh0 * pr.k_head;
           }
         }
         int64_t* next_slot = next_b >= 0 ? slots.data() + (cur ^ 1) * B : nullptr;
@@ -167,50 +210,41 @@ static int run_blocks(const Problem& problem) {
         const bool k_streamed = streamed;
         streamed = next_slot != nullptr;
         if (tiles) {  // folds the item's blocks itself, and writes the item's partial at its last block
-          tile_block<L>(pr, qt.data() + pr.block_req[b] * R * D, slot, keep, Bp, ts, m_at, l_at, o_at, next_slot,
-                        next_keep, j == j0, j + 1 == j1, k_streamed);
+          tile_block<L>(up, qt.data() + pr.block_req[b] * R * D + h0 * G * D, slot, keep, Bp, ts, m_at, l_at, o_at,
+                        next_slot, next_keep, next_k, j == j0, j + 1 == j1, k_streamed);
           continue;
         }
         if (wide) {  // likewise
           if (ws.q_row != pr.block_req[b]) pack_wide_queries(pr, pr.block_req[b], ws);
-          wide_block<L>(pr, slot, keep, Bp, ws, m_at, l_at, o_at, j == j0, j + 1 == j1);
+          wide_block<L>(up, ws.qt.data() + h0 * G * D, slot, keep, Bp, ws, m_at, l_at, o_at, j == j0, j + 1 == j1);
           continue;
         }
         // the item's first block writes its partial in place, the others beside it and are folded in
         float* mo = j == j0 ? m_at : bm.data();
         float* lo = j == j0 ? l_at : bl.data();
         float* oo = j == j0 ? o_at : bo.data();
-        const float* q = pr.qs + pr.block_req[b] * R * D;
+        const float* q = pr.qs + pr.block_req[b] * R * D + h0 * G * D;
 #if defined(__AVX512BF16__)
         if (pairs) {
-          to_bf16_rows(q, 1.0f / pr.q_bf16_scale, R * D, qb.data());
-          vector_scores<L, DV ? DV : 2, true>(pr, slot, keep, qb.data(), s.data(), Bp);
+          to_bf16_rows(q, 1.0f / pr.q_bf16_scale, Rn * D, qb.data());
+          vector_scores<L, DV ? DV : 2, true>(up, slot, keep, qb.data(), s.data(), Bp);
         }
 #endif
         if (!pairs) {
-          for (int64_t i = 0; i < R * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
-          vector_scores<L, DV, false>(pr, slot, keep, qv.data(), s.data(), Bp);
+          for (int64_t i = 0; i < Rn * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
+          vector_scores<L, DV, false>(up, slot, keep, qv.data(), s.data(), Bp);
         }
-        softmax_rows(s.data(), keep, B, Bp, R, pr.cap, mo, lo);
-        vector_weighted_v<L>(pr, slot, keep, s.data(), Bp, oo);
-        if (j != j0) fold_partials(R, Dv, m_at, l_at, o_at, mo, lo, oo);
+        softmax_rows(s.data(), keep, B, Bp, Rn, pr.cap, mo, lo);
+        vector_weighted_v<L>(up, slot, keep, s.data(), Bp, oo);
+        if (j != j0) fold_partials(Rn, Dv, m_at, l_at, o_at, mo, lo, oo);
       }
-      i = next_i;
+      u = next_u;
     }
     if (tiles) ts.finish();
 #pragma omp barrier
     if (pr.out) {
-      const bool draft = pr.draft_slots != nullptr;
-      std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv);
-      DraftScratch ds;
-      if (draft) ds.start(pr);
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t r = 0; r < pr.rows; ++r) {
-        if (draft && !draft_partial<L>(pr, r, ds, dm.data(), dl.data(), dout.data()))
-          outside.store(1, std::memory_order_relaxed);
-        merge_row(pr, r, row_items[r], row_items[r + 1], pm, pl, po, draft ? dm.data() : nullptr, dl.data(),
-                  dout.data(), acc.data());
-      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh) finish_row(rh / hsplit, rh % hsplit * hn);
     }
   }
   return outside.load();

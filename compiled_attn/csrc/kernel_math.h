@@ -266,6 +266,10 @@ struct Problem {
   // merged form: the bf16 queries as the caller holds them (token-major, out_tokens a row), where qs is null: the
   // tile path packs them as they are, other paths convert them first (run_blocks), the draft block a row at a time
   const uint16_t* q_bf16 = nullptr;
+  // merged form: [hkv * G] where query row i of a row lies among the row's token-major rows (token_major_offset's
+  // r = 0, width 1): the output's and the bf16 queries' offsets, looked up (their divisions per query row had cost
+  // as much as the merge's arithmetic)
+  const int64_t* token_rows = nullptr;
 };
 
 // Where query row i (h * G + t * (G / tokens) + g) of row r starts in token-major rows [rows * tokens, hkv * G /
@@ -279,7 +283,38 @@ static inline int64_t token_major_offset(int64_t r, int64_t i, int64_t tokens, i
 
 // Query row i of row r in the merged form's token-major bf16 queries.
 static inline const uint16_t* query_bf16(const Problem& pr, int64_t r, int64_t i) {
-  return pr.q_bf16 + token_major_offset(r, i, pr.out_tokens, pr.hkv, pr.G, pr.D);
+  return pr.q_bf16 + (r * pr.hkv * pr.G + pr.token_rows[i]) * pr.D;
+}
+
+// The first n (<= 16) of p's floats, `fill` in the other lanes.
+static inline v16 load_first(const float* p, int64_t n, float fill) {
+  if (n >= 16) return loadf(p);
+  float x[16];
+  for (int64_t i = 0; i < 16; ++i) x[i] = i < n ? p[i] : fill;
+  return loadf(x);
+}
+
+// NR query rows' weighted sums over n value rows (vp: the rows, float32; ids: where each one's weights are) for NCH x
+// 16 columns from cb: row j's o + j * Dv += w[ids[i] * 16 + j] times value row i's columns, in registers (each
+// value load serves the NR rows).
+template <int NR, int NCH>
+static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
+                                 float* o, int64_t Dv) {
+  v16 a[NR][NCH];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NCH; ++j) a[r][j] = loadf(o + r * Dv + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* wp = w + ids[i] * 16;
+    const float* vr = vp[i] + cb;
+    v16 v[NCH];
+    for (int j = 0; j < NCH; ++j) v[j] = loadf(vr + 16 * j);
+    for (int r = 0; r < NR; ++r) {
+      const v16 wr = splat(wp[r]);
+      for (int j = 0; j < NCH; ++j) a[r][j] += wr * v[j];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NCH; ++j) storef(o + r * Dv + 16 * j, a[r][j]);
 }
 
 // A per-call buffer left uninitialised (every element is written before it is read): a std::vector's zero fill of

@@ -15,25 +15,30 @@ static void fold_partials(int64_t R, int64_t Dv, float* m, float* l, float* o, c
 }
 
 // Row r's draft keys (verify: the slots of its k new tokens, after a window's edge keys) as one more partial, in
-// float32 as the vector path: per query row i of a KV head, over the keys the mask shows its token (i / (G /
-// tokens)), the max score dm (the lowest float32 when it sees none), the sum of exp dl and the weighted V sum do.
-// A key's K/V rows are converted once per head for all its query rows; a row's scores come four keys to a
-// horizontal sum and sixteen to an exp. Returns false when a key some token sees has its slot outside the caches
-// (left out, never read). The few keys (k + a window's edge) cost a fraction of the prefix; as ATen ops around the
-// kernel (gathers, two batched matmuls, the join of the two parts) they had cost several times that.
+// float32 as the vector path, for KV heads [h0, h1): per query row i of a KV head, over the keys the mask shows its
+// token (i / (G / tokens)), the max score dm (the lowest float32 when it sees none), the sum of exp dl and the
+// weighted V sum do (indexed by i = h * G + g, as the row's partials). Returns false when a key some token sees
+// has its slot outside the caches (left out, never read). The few keys (k + a window's edge) cost a fraction of the
+// prefix; as ATen ops around the kernel (gathers, two batched matmuls, the join of the two parts) they had cost
+// several times that. A key's K/V rows are converted once per head for all its query rows; the scores come four
+// keys to a horizontal sum, and the softmax and the V sums take 16 query rows at a time (lanes), each key's
+// weights one vector.
 struct DraftScratch {
-  std::vector<float> kf, vf, s, q;  // [nd, D], [nd, Dv] converted rows; [nd + 16] one query row's scores; [D] its
-                                   // query, where the queries are bf16 as the caller holds them
-  std::vector<int64_t> ids;      // [nd] the keys a query row sees
-  std::vector<uint8_t> seen;     // [nd] keys some token of the row sees
+  std::vector<float> kf, vf, st, q;  // [nd, D], [nd, Dv] converted rows; [nd, 16] the scores, then weights, of 16
+                                    // query rows; [D] a query row, where the queries are bf16 as the caller holds them
+  std::vector<int64_t> ids, seq;    // [nd] the keys some token of the row sees; 0 .. nd - 1 (weighted_rows' ids)
+  std::vector<const float*> vp;     // [nd] their value rows
+  std::vector<i32x16> sees;         // [nd] which of 16 query rows see each of them
   void start(const Problem& pr) {
-    kf.resize(pr.nd * pr.D), vf.resize(pr.nd * pr.Dv), s.resize(pr.nd + 16), ids.resize(pr.nd), seen.resize(pr.nd);
-    q.resize(pr.D);
+    kf.resize(pr.nd * pr.D), vf.resize(pr.nd * pr.Dv), st.resize(pr.nd * 16), ids.resize(pr.nd), vp.resize(pr.nd);
+    q.resize(pr.D), seq.resize(pr.nd), sees.resize(pr.nd);
+    for (int64_t c = 0; c < pr.nd; ++c) seq[c] = c;
   }
 };
 
 template <class L>
-static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float* dm, float* dl, float* dout) {
+static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, DraftScratch& ds, float* dm, float* dl,
+                          float* dout) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -41,72 +46,83 @@ static bool draft_partial(const Problem& pr, int64_t r, DraftScratch& ds, float*
   const int64_t* slots = pr.draft_slots + r * nd;
   const uint8_t* mask = pr.draft_mask + r * pr.tokens * nd;
   bool inside = true;
+  int64_t n = 0;  // the keys some token sees: ds.ids[0 .. n)
   for (int64_t j = 0; j < nd; ++j) {
     uint8_t any = 0;
     for (int64_t t = 0; t < pr.tokens; ++t) any |= mask[t * nd + j];
     if (any && (slots[j] < 0 || slots[j] >= pr.num_slots)) any = 0, inside = false;
-    ds.seen[j] = any;
+    if (any) ds.ids[n++] = j;
   }
-  for (int64_t h = 0; h < pr.hkv; ++h) {
-    for (int64_t j = 0; j < nd; ++j) {
-      if (!ds.seen[j]) continue;
-      const T* kr = kc + slots[j] * pr.k_row + h * pr.k_head;
-      const T* vr = vc + slots[j] * pr.v_row + h * pr.v_head;
-      row_to_float<L>(kr, D, pr.k_mul, ds.kf.data() + j * D);
-      row_to_float<L>(vr, Dv, pr.v_mul, ds.vf.data() + j * Dv);
+  const std::vector<int64_t>& key = ds.ids;
+  float* st = ds.st.data();
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t c = 0; c < n; ++c) {
+      row_to_float<L>(kc + slots[key[c]] * pr.k_row + h * pr.k_head, D, pr.k_mul, ds.kf.data() + c * D);
+      row_to_float<L>(vc + slots[key[c]] * pr.v_row + h * pr.v_head, Dv, pr.v_mul, ds.vf.data() + c * Dv);
+      ds.vp[c] = ds.vf.data() + c * Dv;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = h * G + g;
-      const float* q = pr.qs ? pr.qs + (r * pr.hkv * G + i) * D : ds.q.data();
-      if (!pr.qs) row_to_float<BF16>(query_bf16(pr, r, i), D, 1.0f, ds.q.data());
-      const uint8_t* shows = mask + (g / per_token) * nd;
-      int64_t n = 0;
-      for (int64_t j = 0; j < nd; ++j)
-        if (ds.seen[j] && shows[j]) ds.ids[n++] = j;
-      float* s = ds.s.data();
-      for (int64_t c = 0; c < n; c += 4) {  // four keys at a time: four independent sums
-        const float* k0 = ds.kf.data() + ds.ids[c] * D;
-        const float* k1 = ds.kf.data() + ds.ids[std::min(c + 1, n - 1)] * D;
-        const float* k2 = ds.kf.data() + ds.ids[std::min(c + 2, n - 1)] * D;
-        const float* k3 = ds.kf.data() + ds.ids[std::min(c + 3, n - 1)] * D;
-        v16 a0{}, a1{}, a2{}, a3{};
-        for (int64_t d = 0; d < D; d += 16) {
-          const v16 x = loadf(q + d);
-          a0 += x * loadf(k0 + d), a1 += x * loadf(k1 + d), a2 += x * loadf(k2 + d), a3 += x * loadf(k3 + d);
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const int64_t lanes = std::min<int64_t>(16, G - g0);
+      for (int64_t lane = 0; lane < lanes; ++lane) {  // the scores, st[c * 16 + lane]
+        const int64_t i = h * G + g0 + lane;
+        const float* q = pr.qs ? pr.qs + (r * pr.hkv * G + i) * D : ds.q.data();
+        if (!pr.qs) row_to_float<BF16>(query_bf16(pr, r, i), D, 1.0f, ds.q.data());
+        for (int64_t c = 0; c < n; c += 4) {  // four keys at a time: four independent sums
+          const float* k0 = ds.kf.data() + c * D;
+          const float* k1 = ds.kf.data() + std::min(c + 1, n - 1) * D;
+          const float* k2 = ds.kf.data() + std::min(c + 2, n - 1) * D;
+          const float* k3 = ds.kf.data() + std::min(c + 3, n - 1) * D;
+          v16 a0{}, a1{}, a2{}, a3{};
+          for (int64_t d = 0; d < D; d += 16) {
+            const v16 x = loadf(q + d);
+            a0 += x * loadf(k0 + d), a1 += x * loadf(k1 + d), a2 += x * loadf(k2 + d), a3 += x * loadf(k3 + d);
+          }
+          const v4f t = hsum4(a0, a1, a2, a3);
+          for (int u = 0; u < 4 && c + u < n; ++u) st[(c + u) * 16 + lane] = t[u];
         }
-        const v4f t = hsum4(a0, a1, a2, a3);
-        for (int u = 0; u < 4; ++u) s[c + u] = t[u];
       }
-      float m = -FLT_MAX, l = 0.0f;
+      // which lanes see each key: the lane's query row is token (g0 + lane) / per_token's
+      for (int64_t c = 0; c < n; ++c)
+        for (int64_t lane = 0; lane < 16; ++lane)
+          ds.sees[c][lane] = lane < lanes && mask[(g0 + lane) / per_token * nd + key[c]] ? -1 : 0;
+      v16 m = splat(-FLT_MAX), l{};
       for (int64_t c = 0; c < n; ++c) {
-        if (pr.cap > 0.f) s[c] = pr.cap * std::tanh(s[c] / pr.cap);
-        m = std::max(m, s[c]);
+        v16 x = loadf(st + c * 16);
+        if (pr.cap > 0.f)
+          for (int64_t lane = 0; lane < 16; ++lane) x[lane] = pr.cap * std::tanh(x[lane] / pr.cap);
+        x = ds.sees[c] ? x : splat(-FLT_MAX);
+        storef(st + c * 16, x);
+        m = x > m ? x : m;
       }
-      for (int64_t c = 0; c < n; c += 16) {
-        const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        v16 e = vexp(loadf(s + c) - m);
-        e = lane < (int32_t)(n - c) ? e : v16{};  // 0 past the row's keys
-        storef(s + c, e);
-        l += hsum(e);
+      for (int64_t c = 0; c < n; ++c) {
+        const v16 e = ds.sees[c] ? vexp(loadf(st + c * 16) - m) : v16{};
+        storef(st + c * 16, e);
+        l += e;
       }
-      float* o = dout + i * Dv;
-      for (int64_t d = 0; d < Dv; d += 64) {  // 64 columns at a time in registers (Dv: a multiple of 16)
-        const int64_t w = std::min<int64_t>(64, Dv - d);
-        v16 o0{}, o1{}, o2{}, o3{};
-        for (int64_t c = 0; c < n; ++c) {
-          const float* vr = ds.vf.data() + ds.ids[c] * Dv + d;
-          const v16 e = splat(s[c]);
-          o0 += e * loadf(vr);
-          if (w > 16) o1 += e * loadf(vr + 16);
-          if (w > 32) o2 += e * loadf(vr + 32);
-          if (w > 48) o3 += e * loadf(vr + 48);
+      for (int64_t lane = 0; lane < lanes; ++lane) dm[h * G + g0 + lane] = m[lane], dl[h * G + g0 + lane] = l[lane];
+      // the V sums: four query rows at a time over each 64 columns, from zero (value row c's weights at st[c * 16])
+      float* o = dout + (h * G + g0) * Dv;
+      const int64_t* seq = ds.seq.data();
+      std::memset(o, 0, sizeof(float) * lanes * Dv);
+      for (int64_t cb = 0; cb < Dv; cb += 64) {
+        const int64_t nch = std::min<int64_t>(4, (Dv - cb) / 16);
+        for (int64_t rr = 0; rr < lanes; rr += 4) {
+          const bool four = rr + 4 <= lanes;
+          float* orow = o + rr * Dv + cb;
+          const float* w = st + rr;
+          switch (four ? nch : 0) {
+            case 4: weighted_rows<4, 4>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
+            case 3: weighted_rows<4, 3>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
+            case 2: weighted_rows<4, 2>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
+            case 1: weighted_rows<4, 1>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
+            default:  // the last 1 - 3 rows
+              for (int64_t x = rr; x < lanes; ++x)
+                for (int64_t c = 0; c < n; ++c)
+                  for (int64_t d = 0; d < nch * 16; d += 16)
+                    storef(o + x * Dv + cb + d, loadf(o + x * Dv + cb + d) + splat(st[c * 16 + x]) * loadf(ds.vp[c] + cb + d));
+          }
         }
-        storef(o + d, o0);
-        if (w > 16) storef(o + d + 16, o1);
-        if (w > 32) storef(o + d + 32, o2);
-        if (w > 48) storef(o + d + 48, o3);
       }
-      dm[i] = m, dl[i] = l;
     }
   }
   return inside;
@@ -128,30 +144,44 @@ static inline void store_bf16(uint16_t* dst, const float* x, int64_t n) {
   }
 }
 
-// Row r's output: sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M the max of the m_b and the
-// sink, over row r's partials b in [b0, b1) of pm [., R], pl [., R], po [., R, Dv] and, with dm, the draft partial
-// (dm, dl, dout); zeros for a row with none. Each query row summed in acc [Dv], then stored where Problem::out says.
-static void merge_row(const Problem& pr, int64_t r, int64_t b0, int64_t b1, const float* pm, const float* pl,
-                      const float* po, const float* dm, const float* dl, const float* dout, float* acc) {
-  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv;
-  for (int64_t i = 0; i < R; ++i) {
-    float* o = acc;
-    std::memset(o, 0, sizeof(float) * Dv);
-    float mx = pr.sinks ? pr.sinks[i] : -INFINITY;
-    for (int64_t b = b0; b < b1; ++b) mx = std::max(mx, pm[b * R + i]);
-    if (dm) mx = std::max(mx, dm[i]);
-    float den = mx == -INFINITY ? 0.0f : pr.sinks ? std::exp(pr.sinks[i] - mx) : 0.0f;  // -inf: no part, no sink
-    auto add = [&](float m, float l, const float* ob) {
-      const float w = std::exp(m - mx);
-      den += w * l;
-      for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) + w * loadf(ob + d));
-    };
-    for (int64_t b = b0; b < b1 && mx != -INFINITY; ++b) add(pm[b * R + i], pl[b * R + i], po + (b * R + i) * Dv);
-    if (dm && mx != -INFINITY) add(dm[i], dl[i], dout + i * Dv);
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (int64_t d = 0; d < Dv; d += 16) storef(o + d, loadf(o + d) * inv);
-    const int64_t at = token_major_offset(r, i, pr.out_tokens, pr.hkv, pr.G, Dv);
-    if (pr.out_bf16) store_bf16(static_cast<uint16_t*>(pr.out) + at, o, Dv);
-    else std::memcpy(static_cast<float*>(pr.out) + at, o, sizeof(float) * Dv);
+// Row r's output for its query rows [i0, i1): sum_b o_b e^(m_b - M) / (sum_b l_b e^(m_b - M) + e^(sink - M)), M
+// the max of the m_b and the sink, over row r's partials b in [b0, b1) of pm [., R], pl [., R], po [., R, Dv] and,
+// with dm, the draft partial (dm, dl, dout); zeros for a row with none. The weights of 16 query rows at a time
+// (lanes; w: scratch for a vector per part), then each row's sum in acc [Dv], stored where Problem::out says.
+static void merge_row(const Problem& pr, int64_t r, int64_t i0, int64_t i1, int64_t b0, int64_t b1, const float* pm,
+                      const float* pl, const float* po, const float* dm, const float* dl, const float* dout,
+                      std::vector<float>& w, float* acc) {
+  const int64_t R = pr.hkv * pr.G, Dv = pr.Dv, nb = b1 - b0, parts = nb + (dm != nullptr);
+  if ((int64_t)w.size() < parts * 16) w.resize(parts * 16);
+  auto part_m = [&](int64_t p) { return p < nb ? pm + (b0 + p) * R : dm; };
+  auto part_l = [&](int64_t p) { return p < nb ? pl + (b0 + p) * R : dl; };
+  for (int64_t c = i0; c < i1; c += 16) {
+    const int64_t lanes = std::min<int64_t>(16, i1 - c);
+    v16 mx = pr.sinks ? load_first(pr.sinks + c, lanes, -INFINITY) : splat(-INFINITY);
+    for (int64_t p = 0; p < parts; ++p) {
+      const v16 m = load_first(part_m(p) + c, lanes, -INFINITY);
+      mx = m > mx ? m : mx;
+    }
+    // (mx is -inf only with no part and no sink: den stays 0, the row zeros)
+    v16 den = pr.sinks ? vexp(load_first(pr.sinks + c, lanes, 0.0f) - mx) : v16{};
+    for (int64_t p = 0; p < parts; ++p) {
+      const v16 e = vexp(load_first(part_m(p) + c, lanes, 0.0f) - mx);
+      den += e * load_first(part_l(p) + c, lanes, 0.0f);
+      storef(w.data() + p * 16, e);
+    }
+    const v16 inv = den > 0.0f ? 1.0f / den : v16{};
+    for (int64_t p = 0; p < parts; ++p) storef(w.data() + p * 16, loadf(w.data() + p * 16) * inv);
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const int64_t i = c + lane;
+      for (int64_t d = 0; d < Dv; d += 16) {
+        v16 o{};
+        for (int64_t p = 0; p < parts; ++p)
+          o += splat(w[p * 16 + lane]) * loadf((p < nb ? po + ((b0 + p) * R + i) * Dv : dout + i * Dv) + d);
+        storef(acc + d, o);
+      }
+      const int64_t at = (r * R + pr.token_rows[i]) * Dv;
+      if (pr.out_bf16) store_bf16(static_cast<uint16_t*>(pr.out) + at, acc, Dv);
+      else std::memcpy(static_cast<float*>(pr.out) + at, acc, sizeof(float) * Dv);
+    }
   }
 }

@@ -132,14 +132,16 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
 }
 
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
-// the last writes the item's m, l, o, as the vector path's partials).
+// the last writes the item's m, l, o, as the vector path's partials). next_slot / next_val: the block after it, of
+// whose keys next_k is the first head's (pr.k, or another work unit's heads).
 template <class L>
 static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slot, const uint8_t* val, int64_t Bp,
                        TileScratch& ts, float* mo, float* lo, float* oo, const int64_t* next_slot,
-                       const uint8_t* next_val, bool first, bool last, bool k_streamed) {
+                       const uint8_t* next_val, const void* next_k, bool first, bool last, bool k_streamed) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
+  const T* nkc = static_cast<const T*>(next_k);
   const int64_t D = pr.D, Dv = pr.Dv, G = pr.G, hkv = pr.hkv, B = pr.B;
   const int64_t gt = ts.gt;
   auto valid_at = [&](int64_t p) { return p < B && val[p]; };
@@ -169,7 +171,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
     RowStream vs, ks;
     vs.start(vc, pr.v_row * (int64_t)sizeof(T), ((hkv - 1) * pr.v_head + Dv) * (int64_t)sizeof(T), slot,
              v_streamed ? val : nullptr, B);
-    ks.start(kc, pr.k_row * (int64_t)sizeof(T), ((hkv - 1) * pr.k_head + D) * (int64_t)sizeof(T), next_slot,
+    ks.start(nkc, pr.k_row * (int64_t)sizeof(T), ((hkv - 1) * pr.k_head + D) * (int64_t)sizeof(T), next_slot,
              v_streamed ? next_val : nullptr, next_slot ? B : 0);
     const int64_t v_steps = live_chunks * (hkv * ((ts.groups + 1) / 2) * (D / 32) + ts.cs.nsb);
     const int64_t k_steps = live_chunks * hkv * (16 + ts.groups * ((Dv / 16 + 3) / 4));
@@ -195,7 +197,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
             if (!v_streamed && h + 1 < hkv && valid_at(p))
               prefetch_lines<2>(vc + slot[p] * pr.v_row + (h + 1) * pr.v_head, Dv * (int64_t)sizeof(T));
             if (!v_streamed && next_slot && p < B && next_val[p])
-              prefetch_lines<2>(kc + next_slot[p] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
+              prefetch_lines<2>(nkc + next_slot[p] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
           }
           ks.fetch(k_per);
           uint16_t* dst = ts.vt.data() + (k2 - s0 / 2) * Dv * 2;
@@ -266,6 +268,6 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
 
 template <class L>
 static void tile_block(const Problem&, const uint16_t*, const int64_t*, const uint8_t*, int64_t, TileScratch&, float*,
-                       float*, float*, const int64_t*, const uint8_t*, bool, bool, bool) {}
+                       float*, float*, const int64_t*, const uint8_t*, const void*, bool, bool, bool) {}
 
 #endif

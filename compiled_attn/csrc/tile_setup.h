@@ -113,37 +113,36 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
-// The queries of one row as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the float32
+// The queries of one row's KV head h as bf16 B tiles, into qt [rows, hkv, groups, D / 32, 16, gt, 2]: the float32
 // queries divided by q_bf16_scale (q exactly again: the scale goes to the scores in float32), tile row k2 of column
 // chunk c holding, per query row n of the group, the pair of elements 32 c + 2 k2, + 1. Per group and chunk the
 // rows' pairs (16 lanes of 32 bits each) are transposed in registers.
-static void pack_queries(const Problem& pr, int64_t row, uint16_t* qt) {
+static void pack_queries(const Problem& pr, int64_t row, int64_t h, uint16_t* qt) {
   const int64_t D = pr.D, G = pr.G, gt = std::min<int64_t>(G, 16), groups = G / gt, chunks = D / 32;
   const __m512 unscale = _mm512_set1_ps(1.0f / pr.q_bf16_scale);
-  for (int64_t h = 0; h < pr.hkv; ++h)
-    for (int64_t t = 0; t < groups; ++t)
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512i x[16];
-        for (int64_t n = 0; n < 16; ++n) {
-          if (n >= gt) {
-            x[n] = _mm512_setzero_si512();
-            continue;
-          }
-          if (!pr.qs) {  // bf16 as the caller holds it (q_bf16_scale 1)
-            x[n] = _mm512_loadu_si512(query_bf16(pr, row, h * G + t * gt + n) + 32 * c);
-            continue;
-          }
-          const float* qr = pr.qs + ((row * pr.hkv + h) * G + t * gt + n) * D + 32 * c;
-          x[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), unscale),
-                                              _mm512_mul_ps(_mm512_loadu_ps(qr), unscale));
+  for (int64_t t = 0; t < groups; ++t)
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512i x[16];
+      for (int64_t n = 0; n < 16; ++n) {
+        if (n >= gt) {
+          x[n] = _mm512_setzero_si512();
+          continue;
         }
-        transpose16(x);  // x[k2] lane n: row n's pair k2
-        uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt;
-        for (int64_t k2 = 0; k2 < 16; ++k2) {
-          if (gt == 16) _mm512_storeu_si512(dst + k2 * 16, x[k2]);
-          else _mm512_mask_storeu_epi32(dst + k2 * gt, (__mmask16)((1u << gt) - 1), x[k2]);
+        if (!pr.qs) {  // bf16 as the caller holds it (q_bf16_scale 1)
+          x[n] = _mm512_loadu_si512(query_bf16(pr, row, h * G + t * gt + n) + 32 * c);
+          continue;
         }
+        const float* qr = pr.qs + ((row * pr.hkv + h) * G + t * gt + n) * D + 32 * c;
+        x[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 16), unscale),
+                                            _mm512_mul_ps(_mm512_loadu_ps(qr), unscale));
       }
+      transpose16(x);  // x[k2] lane n: row n's pair k2
+      uint32_t* dst = reinterpret_cast<uint32_t*>(qt) + ((((row * pr.hkv + h) * groups + t) * chunks + c) * 16) * gt;
+      for (int64_t k2 = 0; k2 < 16; ++k2) {
+        if (gt == 16) _mm512_storeu_si512(dst + k2 * 16, x[k2]);
+        else _mm512_mask_storeu_epi32(dst + k2 * gt, (__mmask16)((1u << gt) - 1), x[k2]);
+      }
+    }
 }
 
 // Lines of a block's rows (all heads of each valid position's slot) prefetched into L2 a few at a time: the tile
@@ -187,6 +186,6 @@ struct TileScratch {
 template <class L>
 static bool tiles_fit(const Problem&) { return false; }
 static bool tiles_permitted() { return false; }
-static void pack_queries(const Problem&, int64_t, uint16_t*) {}
+static void pack_queries(const Problem&, int64_t, int64_t, uint16_t*) {}
 
 #endif

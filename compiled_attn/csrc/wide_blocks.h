@@ -24,10 +24,11 @@ struct WideScratch {
   std::vector<int64_t> ids;    // [Bp] the block's valid positions
   std::vector<const float*> vp;  // [kWideSpan] a span's value rows as float32 (in the cache, or in vf)
 
-  void start(const Problem& pr, int64_t Bp) {
+  // pr: a work unit's problem (its KV heads); all_heads: the heads a row's packed queries hold
+  void start(const Problem& pr, int64_t Bp, int64_t all_heads) {
     groups = pr.G / 16;
     cs.start(pr.hkv * groups, Bp, pr.hkv * pr.G, pr.Dv);
-    qt.resize(pr.hkv * pr.G * pr.D), kf.resize(8 * pr.D), vf.resize(kWideSpan * pr.Dv), ids.resize(Bp);
+    qt.resize(all_heads * pr.G * pr.D), kf.resize(8 * pr.D), vf.resize(kWideSpan * pr.Dv), ids.resize(Bp);
     vp.resize(kWideSpan);
     q_row = -1;
   }
@@ -64,32 +65,11 @@ static inline void wide_products(const float* kf, const float* q, int64_t D, v16
     for (int t = 0; t < T; ++t) out[u * T + t] = a[u][t];
 }
 
-// NR query rows' weighted sums over n valid positions (ids: their positions, vp: their value rows, float32) for
-// NCH x 16 columns from cb: row j's o + j * Dv += w[p * 16 + j] times the row's columns.
-template <int NR, int NCH>
-static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
-                                 float* o, int64_t Dv) {
-  v16 a[NR][NCH];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NCH; ++j) a[r][j] = loadf(o + r * Dv + 16 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* wp = w + ids[i] * 16;
-    const float* vr = vp[i] + cb;
-    v16 v[NCH];
-    for (int j = 0; j < NCH; ++j) v[j] = loadf(vr + 16 * j);
-    for (int r = 0; r < NR; ++r) {
-      const v16 wr = splat(wp[r]);
-      for (int j = 0; j < NCH; ++j) a[r][j] += wr * v[j];
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NCH; ++j) storef(o + r * Dv + 16 * j, a[r][j]);
-}
-
-// One block, folded into its work item's running softmax (first / last as tile_block).
+// One block, folded into its work item's running softmax (first / last as tile_block); qt: pr's first KV head's
+// packed queries (in ws.qt).
 template <class L>
-static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* val, int64_t Bp, WideScratch& ws,
-                       float* mo, float* lo, float* oo, bool first, bool last) {
+static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, const uint8_t* val, int64_t Bp,
+                       WideScratch& ws, float* mo, float* lo, float* oo, bool first, bool last) {
   typedef typename L::T T;
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
@@ -113,7 +93,7 @@ static void wide_block(const Problem& pr, const int64_t* slot, const uint8_t* va
       for (int64_t t = 0; t < groups; t += 2) {
         const bool two = t + 1 < groups;
         const int U = two ? 4 : 8;
-        const float* q = ws.qt.data() + (h * groups + t) * D * 16;
+        const float* q = qt + (h * groups + t) * D * 16;
         for (int64_t i = 0; i < n; i += U) {
           for (int u = 0; u < U; ++u) {
             const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
