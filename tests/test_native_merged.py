@@ -106,14 +106,15 @@ def test_draft_keys_join_each_rows_merge(bf16, page_size):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("lens, block_size", [([100], 64), ([30, 300], 32)], ids=["one-row", "mixed"])
+@pytest.mark.parametrize("lens, block_size", [([40], 64), ([100], 64), ([30, 300], 32)],
+                         ids=["one-block", "one-row", "mixed"])
 @pytest.mark.parametrize("hq, bf16", [(8, False), (16, False), (16, True)], ids=["vector", "wide", "tiles"])
 def test_work_split_between_threads(hq, bf16, lens, block_size, threads):
-    """How the kernel shares a call between threads does not change its result: one short row (two blocks: each
-    item is split into groups of KV heads, one to four, each thread taking its own and merging its heads), and a
-    short row beside a long one (the short row's one item merged by the thread that computed it, the long row's
-    several after all are done), on the vector path (8 query rows per KV head, float32 query), the wide path (16
-    rows, float32 query) and the tile path (16 rows, bf16 query, where there is one), against float64."""
+    """How the kernel shares a call between threads does not change its result: one block or one short row (each
+    item split into groups of KV heads: with 2 threads each thread takes its groups of every item and merges their
+    rows, with 3 the groups are claimed in turn), and a short row beside a long one (whole items, claimed in turn),
+    on the vector path (8 query rows per KV head, float32 query), the wide path (16 rows, float32 query) and the
+    tile path (16 rows, bf16 query, where there is one), against float64."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

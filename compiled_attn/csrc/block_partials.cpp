@@ -168,8 +168,13 @@ static int run_blocks(const Problem& problem) {
     // thread starting a moment late found the first units gone), each next one claimed as a thread starts its
     // current one's last block: that block's slots then name the next unit's first keys, which the tile path
     // streams in while it computes (as it does for the next block within an item).
+    // Where the heads are split in a multiple of the threads' count, thread t instead takes the head groups t, t +
+    // threads, .. of every item in turn, and merges those groups' rows: the partials it merges are in its own
+    // core's cache (not half of them in the other's), and the threads' work is equal.
+    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+    const bool by_heads = hsplit > 1 && hsplit % team == 0;
 #pragma omp single
-    next_unit.store(omp_get_num_threads(), std::memory_order_relaxed);
+    next_unit.store(team, std::memory_order_relaxed);
     auto unit_blocks = [&](int64_t u, int64_t& it, int64_t& h0, int64_t& j0, int64_t& j1) {
       it = pr.out ? by_size[u / hsplit] : u;
       h0 = u % hsplit * hn;
@@ -179,7 +184,11 @@ static int run_blocks(const Problem& problem) {
     int cur = 0;
     bool streamed = false;  // whether the current block's keys were streamed in by the block before it (and its
                             // slots filled then)
-    int64_t u = omp_get_thread_num();
+    int64_t u = tid;
+    auto claim_next = [&](int64_t cu) {  // the unit after cu for this thread
+      if (!by_heads) return next_unit.fetch_add(1, std::memory_order_relaxed);
+      return cu % hsplit + team < hsplit ? cu + team : (cu / hsplit + 1) * hsplit + tid;
+    };
     while (u < units) {
       int64_t it, h0, j0, j1, next_u = units;
       unit_blocks(u, it, h0, j0, j1);
@@ -196,7 +205,7 @@ static int run_blocks(const Problem& problem) {
         if (j + 1 < j1) {
           next_b = block_at(j + 1);
         } else {
-          next_u = next_unit.fetch_add(1, std::memory_order_relaxed);
+          next_u = claim_next(u);
           if (next_u < units) {
             int64_t nit, nh0, nj0, nj1;
             unit_blocks(next_u, nit, nh0, nj0, nj1);
@@ -243,8 +252,13 @@ static int run_blocks(const Problem& problem) {
     if (tiles) ts.finish();
 #pragma omp barrier
     if (pr.out) {
+      if (by_heads) {
+        for (int64_t r = 0; r < pr.rows; ++r)
+          for (int64_t hg = tid; hg < hsplit; hg += team) finish_row(r, hg * hn);
+      } else {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh) finish_row(rh / hsplit, rh % hsplit * hn);
+        for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh) finish_row(rh / hsplit, rh % hsplit * hn);
+      }
     }
   }
   return outside.load();

@@ -28,10 +28,10 @@ struct DraftScratch {
                                     // query rows; [D] a query row, where the queries are bf16 as the caller holds them
   std::vector<int64_t> ids, seq;    // [nd] the keys some token of the row sees; 0 .. nd - 1 (weighted_rows' ids)
   std::vector<const float*> vp;     // [nd] their value rows
-  std::vector<i32x16> sees;         // [nd] which of 16 query rows see each of them
+  std::vector<i32x16> sees;         // [G / 16 rounded up, nd] which of each 16 query rows see each of them
   void start(const Problem& pr) {
     kf.resize(pr.nd * pr.D), vf.resize(pr.nd * pr.Dv), st.resize(pr.nd * 16), ids.resize(pr.nd), vp.resize(pr.nd);
-    q.resize(pr.D), seq.resize(pr.nd), sees.resize(pr.nd);
+    q.resize(pr.D), seq.resize(pr.nd), sees.resize((pr.G + 15) / 16 * pr.nd);
     for (int64_t c = 0; c < pr.nd; ++c) seq[c] = c;
   }
 };
@@ -55,6 +55,12 @@ static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, 
   }
   const std::vector<int64_t>& key = ds.ids;
   float* st = ds.st.data();
+  // which of each 16 query rows (lanes) of a head see each key: the lane's row is token (g0 + lane) / per_token's
+  for (int64_t g0 = 0; g0 < G; g0 += 16)
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      const int64_t t = g0 + lane < G ? (g0 + lane) / per_token : -1;
+      for (int64_t c = 0; c < n; ++c) ds.sees[g0 / 16 * nd + c][lane] = t >= 0 && mask[t * nd + key[c]] ? -1 : 0;
+    }
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t c = 0; c < n; ++c) {
       row_to_float<L>(kc + slots[key[c]] * pr.k_row + h * pr.k_head, D, pr.k_mul, ds.kf.data() + c * D);
@@ -81,21 +87,18 @@ static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, 
           for (int u = 0; u < 4 && c + u < n; ++u) st[(c + u) * 16 + lane] = t[u];
         }
       }
-      // which lanes see each key: the lane's query row is token (g0 + lane) / per_token's
-      for (int64_t c = 0; c < n; ++c)
-        for (int64_t lane = 0; lane < 16; ++lane)
-          ds.sees[c][lane] = lane < lanes && mask[(g0 + lane) / per_token * nd + key[c]] ? -1 : 0;
+      const i32x16* sees = ds.sees.data() + g0 / 16 * nd;
       v16 m = splat(-FLT_MAX), l{};
       for (int64_t c = 0; c < n; ++c) {
         v16 x = loadf(st + c * 16);
         if (pr.cap > 0.f)
           for (int64_t lane = 0; lane < 16; ++lane) x[lane] = pr.cap * std::tanh(x[lane] / pr.cap);
-        x = ds.sees[c] ? x : splat(-FLT_MAX);
+        x = sees[c] ? x : splat(-FLT_MAX);
         storef(st + c * 16, x);
         m = x > m ? x : m;
       }
       for (int64_t c = 0; c < n; ++c) {
-        const v16 e = ds.sees[c] ? vexp(loadf(st + c * 16) - m) : v16{};
+        const v16 e = sees[c] ? vexp(loadf(st + c * 16) - m) : v16{};
         storef(st + c * 16, e);
         l += e;
       }
