@@ -145,16 +145,23 @@ static int run_blocks(const Problem& problem) {
         }
       }
     };
-    // a row's draft partial and merge, for the heads [h0, h0 + hn), after every item is done (merging a row whose
-    // blocks are one item as the item ended, its partial still in cache, had slowed the blocks' reads more)
+    // a row's draft partial and merge, for the heads [h0, h0 + hn): a row whose blocks are one item is merged as
+    // the item ends, from the partial the item left in this thread's own buffer (one_m, one_l, one_o: reused item
+    // after item, so in cache; in the call's partials, memory not touched before, each line had been read in
+    // before its write and written back after), the others after every item is done
     std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv), weights;
+    Scratch<float> one_m, one_l, one_o;
+    if (pr.out) one_m.resize(R), one_l.resize(R), one_o.resize(R * Dv);
     DraftScratch ds;
     if (draft) ds.start(pr);
+    auto one_item = [&](int64_t r) { return row_items[r + 1] - row_items[r] == 1; };
     auto finish_row = [&](int64_t r, int64_t h0) {
       if (draft && !draft_partial<L>(pr, r, h0, h0 + hn, ds, dm.data(), dl.data(), dout.data()))
         outside.store(1, std::memory_order_relaxed);
-      merge_row(pr, r, h0 * G, (h0 + hn) * G, row_items[r], row_items[r + 1], pm, pl, po, draft ? dm.data() : nullptr,
-                dl.data(), dout.data(), weights, acc.data());
+      const bool own = one_item(r);
+      merge_row(pr, r, h0 * G, (h0 + hn) * G, own ? 0 : row_items[r], own ? 1 : row_items[r + 1],
+                own ? one_m.data() : pm, own ? one_l.data() : pl, own ? one_o.data() : po,
+                draft ? dm.data() : nullptr, dl.data(), dout.data(), weights, acc.data());
     };
     TileScratch ts;
     if (tiles) {
@@ -195,7 +202,9 @@ static int run_blocks(const Problem& problem) {
       unit_heads(up, h0);
       if (!streamed) fill(block_at(j0), slots.data() + cur * B, keeps.data() + cur * B);
       const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
-      float *m_at = pm + at * R + h0 * G, *l_at = pl + at * R + h0 * G, *o_at = po + (at * R + h0 * G) * Dv;
+      const bool own = pr.out && one_item(pr.block_req[b0]);
+      float *m_at = (own ? one_m.data() : pm + at * R) + h0 * G, *l_at = (own ? one_l.data() : pl + at * R) + h0 * G;
+      float* o_at = (own ? one_o.data() : po + at * R * Dv) + h0 * G * Dv;
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
         const int64_t b = block_at(j);
         int64_t* slot = slots.data() + cur * B;
@@ -247,6 +256,7 @@ static int run_blocks(const Problem& problem) {
         vector_weighted_v<L>(up, slot, keep, s.data(), Bp, oo);
         if (j != j0) fold_partials(Rn, Dv, m_at, l_at, o_at, mo, lo, oo);
       }
+      if (own) finish_row(pr.block_req[b0], h0);
       u = next_u;
     }
     if (tiles) ts.finish();
@@ -254,10 +264,11 @@ static int run_blocks(const Problem& problem) {
     if (pr.out) {
       if (by_heads) {
         for (int64_t r = 0; r < pr.rows; ++r)
-          for (int64_t hg = tid; hg < hsplit; hg += team) finish_row(r, hg * hn);
+          for (int64_t hg = tid; hg < hsplit && !one_item(r); hg += team) finish_row(r, hg * hn);
       } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh) finish_row(rh / hsplit, rh % hsplit * hn);
+        for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh)
+          if (!one_item(rh / hsplit)) finish_row(rh / hsplit, rh % hsplit * hn);
       }
     }
   }
