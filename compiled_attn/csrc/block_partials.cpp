@@ -149,9 +149,10 @@ static int run_blocks(const Problem& problem) {
     // the item ends, from the partial the item left in this thread's own buffer (one_m, one_l, one_o: reused item
     // after item, so in cache; in the call's partials, memory not touched before, each line had been read in
     // before its write and written back after), the others after every item is done
-    std::vector<float> dm(draft ? R : 0), dl(dm.size()), dout(draft ? R * Dv : 0), acc(Dv), weights;
-    Scratch<float> one_m, one_l, one_o;
+    std::vector<float> acc(Dv), weights;
+    Scratch<float> one_m, one_l, one_o, dm, dl, dout;  // (draft_partial writes what the merge reads)
     if (pr.out) one_m.resize(R), one_l.resize(R), one_o.resize(R * Dv);
+    if (draft) dm.resize(R), dl.resize(R), dout.resize(R * Dv);
     DraftScratch ds;
     if (draft) ds.start(pr);
     auto one_item = [&](int64_t r) { return row_items[r + 1] - row_items[r] == 1; };
