@@ -1,6 +1,7 @@
 """The benchmark and serving host: keep glibc's allocator from page-faulting large buffers afresh every step, back
 large buffers with 2 MiB pages, and say how much of the machine other processes used during a measurement (these
-2-core machines are shared)."""
+2-core machines are shared), and how large its last-level cache is (a benchmark that means to read from memory
+evicts it between calls)."""
 from __future__ import annotations
 
 import ctypes
@@ -8,7 +9,8 @@ import os
 import sys
 import time
 
-__all__ = ["CpuShare", "add_malloc_flag", "huge_pages_in_use", "tune_malloc", "use_huge_pages"]
+__all__ = ["CpuShare", "add_malloc_flag", "huge_pages_in_use", "last_level_cache_bytes", "tune_malloc",
+           "use_huge_pages"]
 
 
 def add_malloc_flag(parser) -> None:
@@ -74,6 +76,23 @@ def huge_pages_in_use() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def last_level_cache_bytes(default: int = 64 << 20) -> int:
+    """The size of the CPU's largest cache (Linux sysfs: cpu0's highest cache level), ``default`` where it cannot be
+    read."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = []
+    try:
+        for entry in os.listdir(base):
+            if entry.startswith("index"):
+                with open(os.path.join(base, entry, "size")) as f:
+                    text = f.read().strip()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        return default
+    return max(sizes, default=default)
 
 
 class CpuShare:

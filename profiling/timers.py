@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["time_fn", "time_interleaved", "median", "spread", "round_ratios", "noise_verdict", "format_table",
-           "LatencyTable", "range_overhead_ns"]
+__all__ = ["time_fn", "time_interleaved", "balanced_orders", "median", "spread", "round_ratios", "noise_verdict",
+           "format_table", "LatencyTable", "range_overhead_ns"]
 
 _UNIT_SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
 
@@ -48,13 +48,36 @@ def time_fn(fn: Callable[[], Any], *, warmup: int, iters: int,
     return times
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` candidates, one per round, in which each candidate follows every other equally often
+    (a Williams design: rows ``first + r`` mod n, and their reverses where n is odd); ``[[0, 1]]`` for two (each
+    already always follows the other), ``[[0]]`` for one.
+
+    Why: a call leaves the caches holding what it read, so a candidate that always runs right after one reading the
+    same data (one decode step after a verify over the same prefix) is timed warm and the others are not
+    (docs/performance.md has the numbers)."""
+    if n <= 2:
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n - 1, 2, n - 2, ..
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, iters: int,
                      sync: Callable[[], Any] | None = None, budget_s: float | None = None) -> dict[str, list[float]]:
-    """Time several callables round-robin (one call of each per round) and return seconds per call by name.
+    """Time several callables in rounds (one call of each per round) and return seconds per call by name.
 
     On a shared machine a slow spell then hits every candidate alike, so their ratios hold where back-to-back
-    ``time_fn`` runs would charge it to whichever candidate was running. ``budget_s``: run fewer rounds (but at
-    least 3, or ``iters`` if smaller) when the last warm-up round says ``iters`` rounds would take longer.
+    ``time_fn`` runs would charge it to whichever candidate was running. The rounds take ``balanced_orders``' orders
+    in turn, so that no candidate always runs after the same one (whose reads it would find in cache).
+    ``budget_s``: run fewer rounds (but at least 3, or ``iters`` if smaller) when the last warm-up round says
+    ``iters`` rounds would take longer.
     """
     if warmup < 0 or iters < 1:
         raise ValueError(f"time_interleaved needs warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
@@ -64,9 +87,11 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, iters: i
     if budget_s is not None and warmup:
         iters = max(min(3, iters), min(iters, int(budget_s / max(round_s, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            times[name] += time_fn(fn, warmup=0, iters=1, sync=sync)
+    names = list(fns)
+    orders = balanced_orders(len(names))
+    for r in range(iters):
+        for i in orders[r % len(orders)]:
+            times[names[i]] += time_fn(fns[names[i]], warmup=0, iters=1, sync=sync)
     return times
 
 

@@ -181,6 +181,21 @@ def test_bench_ops_extend_runs_and_reports_waste(capsys):
     assert "waste_64" in out and "GFLOP/s" in out
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_bench_ops_verify_runs_and_says_how_its_caches_start(warm, capsys, monkeypatch):
+    """``bench-ops --ops verify``: a row checked against its loop (inside bench_verify_case), and the footer says
+    whether each call read its K/V from memory (by default: copies of it together over 1.5x the last-level cache,
+    a small cache here) or every call the same (``--warm``)."""
+    from compiled_attn.bench import ops as bench_ops
+
+    monkeypatch.setattr(bench_ops, "last_level_cache_bytes", lambda: 1 << 20)
+    argv = ["--ops", "verify", "--batch-size", "1", "--draft", "2", "--iters", "1", "--no-malloc-tuning"]
+    assert bench_ops.main(argv + (["--warm"] if warm else [])) == 0
+    out = capsys.readouterr().out
+    assert "mha verify" in out and "x_decode1" in out
+    assert ("(--warm)" if warm else "copies of it, 2 MiB, read in turn") in out
+
+
 def test_bench_engine_context_length_flag(capsys):
     """``bench-engine --context-length``: the engine's context (what SGLang sizes its decode graphs for) is the
     given one, and one that cannot hold a request or exceeds the model's positions is refused in one line."""

@@ -8,6 +8,7 @@ pre-2023 ``nvtxppsum`` report (Average/Minimum/Maximum, no median, a notice line
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -229,6 +230,33 @@ def test_cli(tmp_path, capsys):
 
 # ---- timers ----
 
+def test_last_level_cache_bytes(monkeypatch):
+    """The largest cache sysfs lists for cpu0 (a positive size), or the default where sysfs cannot be read."""
+    from profiling import host
+
+    assert host.last_level_cache_bytes() > 0
+
+    def unreadable(path):
+        raise OSError(path)
+
+    monkeypatch.setattr(host.os, "listdir", unreadable)
+    assert host.last_level_cache_bytes(default=123) == 123
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_balanced_orders_put_every_candidate_after_every_other_equally_often(n):
+    """``time_interleaved``'s round orders (a Williams design): each a permutation, and over all of them each
+    ordered pair (i right before j, i != j) occurs the same number of times; one order of two, each after the
+    other."""
+    from collections import Counter
+
+    orders = timers.balanced_orders(n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    pairs = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert timers.balanced_orders(2) == [[0, 1]] and timers.balanced_orders(1) == [[0]]
+
+
 def test_timers_and_tables():
     calls = []
     secs = timers.time_fn(lambda: calls.append(1), warmup=2, iters=5, sync=lambda: None)
@@ -240,6 +268,13 @@ def test_timers_and_tables():
     assert order == ["a", "b"] * 4 and {k: len(v) for k, v in both.items()} == {"a": 3, "b": 3}
     with pytest.raises(ValueError, match="iters >= 1"):
         timers.time_interleaved({"a": lambda: None}, warmup=0, iters=0)
+    # more than two: each round calls every candidate once, and no candidate always follows the same one
+    order.clear()
+    four = {n: functools.partial(order.append, n) for n in "abcd"}
+    timers.time_interleaved(four, warmup=0, iters=4)
+    rounds = [order[i:i + 4] for i in range(0, 16, 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert {r[r.index("b") - 1] for r in rounds if r.index("b")} == {"a", "c", "d"}
     # a budget smaller than one round still gives 3 rounds; a large one gives iters
     slow = timers.time_interleaved({"a": lambda: time.sleep(0.01)}, warmup=1, iters=50, budget_s=0.001)
     assert len(slow["a"]) == 3

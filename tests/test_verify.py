@@ -331,10 +331,16 @@ def test_fused_and_cpu_flash_together_is_an_error():
         verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, fused=True, cpu_flash=True)
 
 
-def test_bench_verify_case_row():
-    """The benchmark helper (``bench/ops_verify.py``) at a tiny shape: one row with every column, finite times."""
+@pytest.mark.parametrize("cold_bytes", [0, 1 << 20], ids=["warm", "cold"])
+def test_bench_verify_case_row(cold_bytes):
+    """The benchmark helper (``bench/ops_verify.py``) at a tiny shape: one row with every column, finite times,
+    every call reading the same K/V, and each the next of copies of it (verify checked against the loop on them);
+    no recompile for a copy."""
     from compiled_attn.bench.ops_verify import COLUMNS, bench_verify_case
 
-    row = bench_verify_case(2, 3, True, 1, name="tiny-mha")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    row = bench_verify_case(2, 3, True, 1, name="tiny-mha", cold_bytes=cold_bytes)
+    assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
     assert set(COLUMNS) <= set(row) and row["mask"] == "tree" and row["k"] == 3
     assert all(row[c] > 0 for c in COLUMNS if c.endswith(("_ms", "_x", "x_decode1")))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphs.runner import EAGER_MARGIN, faster_form
-from profiling.host import add_malloc_flag, huge_pages_in_use, tune_malloc
+from profiling.host import add_malloc_flag, huge_pages_in_use, last_level_cache_bytes, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
 from ..compile_policy import compile_step
@@ -148,6 +148,9 @@ def _parse(argv):
                    help="default: mha mla (none with --sweep-len); verify: speculative verify of k draft tokens")
     p.add_argument("--draft", nargs="+", default=["2", "4", "8", "tree8"], choices=["2", "4", "8", "tree8"],
                    help="verify: k draft tokens as a chain, or tree8 (a random tree of 8)")
+    p.add_argument("--warm", action="store_true",
+                   help="verify: every call reads the same K/V (from cache where it fits; default: each call the next "
+                        "of copies of it that together exceed 1.5x the last-level cache, from memory)")
     p.add_argument("--window", type=int, nargs="+", default=[None],
                    help="verify: sliding windows (a window layer's, e.g. gpt-oss's 128); default: none")
     p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
@@ -208,13 +211,17 @@ def _run_cases(args) -> None:
         from .ops_verify import COLUMNS as VERIFY_COLUMNS
         from .ops_verify import bench_verify_case
 
+        cold = 0 if args.warm else int(1.5 * last_level_cache_bytes())
         rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters,
-                                  slot_layout=layout, dtype=dtype, window=window)
+                                  slot_layout=layout, dtype=dtype, window=window, cold_bytes=cold)
                 for window in args.window for layout in args.slot_layout for d in args.draft
                 for bs in args.batch_size or [1, 8, 32]]
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
-              "masked per-request SDPA loop / verify")
+              "masked per-request SDPA loop / verify; "
+              + ("every call reads the same K/V, as the call before left it in cache (--warm)" if args.warm else
+                 "every call reads its K/V from memory, as a layer's in a serving step (copies of it, "
+                 f"{cold / 2**20:.0f} MiB, read in turn; --warm: one)"))
     if extend_ops:
         rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
                 for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]

@@ -11,8 +11,19 @@ draft tokens each, as a chain (topk 1) or a random tree, in the model's dtype (q
     the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only).
 With ``window`` (a sliding-window layer's, as gpt-oss alternates them) all four read each token's window only: draft
 token ``i`` at ``prefix + depth_i`` sees keys from there less the window on.
+
+Each timed call can read its K/V from memory (``cold_bytes``: the caches then hold that many bytes of copies of the
+batch's K/V, and each call, each decode step of ``decodek`` too, reads the next copy): in a serving step a layer's
+K/V comes from memory (the model's weights and every other layer's cache pass between two calls of one layer's
+attention), while here all four read the same K/V one after another, and at bs 8 (34 MB at llama's shape) it fits a
+large last-level cache, so that whichever candidate follows another finds it there. (Writing a buffer the size of
+the cache before each call instead would start every call with Python's and torch's own code and data out of cache
+too, which a serving step does not see.)
 """
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
@@ -68,15 +79,29 @@ def _loop(q, k_cache, v_cache, table, rows, prefix, k, mask, scale, window=None)
 
 def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0, name: str = "mha",
                       slot_layout: str = "scattered", dtype: torch.dtype = torch.float32,
-                      window: int | None = None) -> dict:
+                      window: int | None = None, cold_bytes: int = 0) -> dict:
     """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
-    ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop)."""
+    ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop).
+    cold_bytes: > 0 keeps at least that many bytes of copies of the batch's K/V (and one more), each call reading
+    the next (from memory when it exceeds the last-level cache); 0: one copy, read by every call."""
     shape = get_attention_shape(name)
     g = torch.Generator().manual_seed(seed + bs)  # the same prefixes for every k and mask at one batch size
     prefix = torch.randint(256, 2049, (bs,), generator=g)
     b = make_batch((prefix + k).tolist(), prefix.tolist(), hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv,
                    seed=seed, slot_layout=slot_layout, dtype=dtype)
     q, kc, vc, table, rows = b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows
+    # copy c of the K/V at slots + c * S of caches that many times longer, read through its own table
+    copies = 1 + math.ceil(cold_bytes / (kc.nbytes + vc.nbytes)) if cold_bytes > 0 else 1
+    num_slots = kc.shape[0]
+    kc, vc = (c.view(torch.uint8).repeat(copies, 1, 1).view(c.dtype) for c in (kc, vc))
+    tables = [table + c * num_slots for c in range(copies)]
+    for t in tables[1:]:
+        torch._dynamo.mark_static(t)  # as mark_as_bucket marks the first (below): no recompile for a copy
+    table, turn = tables[0], itertools.count()
+
+    def next_table():
+        return tables[next(turn) % copies]
+
     scale = shape.dqk ** -0.5
     mask = (torch.stack([random_tree(k, g) for _ in range(bs)]) if tree
             else torch.ones(k, k, dtype=torch.bool).tril().expand(bs, k, k))
@@ -91,16 +116,16 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
         mark_as_bucket(qj, kc, vc, table, inputs.block_offsets)
 
     def run_verify():
-        return verify(q, kc, vc, table, meta.inputs, scale, window)
+        return verify(q, kc, vc, next_table(), meta.inputs, scale, window)
 
     def run_decode1():
-        return decode(steps[0][0], kc, vc, table, steps[0][1], scale)
+        return decode(steps[0][0], kc, vc, next_table(), steps[0][1], scale)
 
     def run_decodek():
-        return [decode(qj, kc, vc, table, inputs, scale) for qj, inputs in steps]
+        return [decode(qj, kc, vc, next_table(), inputs, scale) for qj, inputs in steps]
 
     def run_loop():
-        return _loop(q, kc, vc, table, rows, prefix, k, mask, scale, window)
+        return _loop(q, kc, vc, next_table(), rows, prefix, k, mask, scale, window)
 
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(run_verify().float(), run_loop().float(), atol=tol, rtol=tol)
