@@ -172,10 +172,10 @@ static int run_blocks(const Problem& problem) {
     }
     WideScratch ws;
     if (wide) ws.start(unit_pr, Bp, hkv);
-    // Units taken in turn from a shared counter, each thread's first by its number (claimed from the counter, a
-    // thread starting a moment late found the first units gone), each next one claimed as a thread starts its
-    // current one's last block: that block's slots then name the next unit's first keys, which the tile path
-    // streams in while it computes (as it does for the next block within an item).
+    // Units taken in turn from a shared counter, each thread's first by its number (with that one claimed from the
+    // counter too, a thread starting a moment late found the first units gone), each next one claimed as a thread
+    // starts its current one's last block: that block's slots then name the next unit's first keys, which the tile
+    // path streams in while it computes (as it does for the next block within an item).
     // Where the heads are split in a multiple of the threads' count, thread t instead takes the head groups t, t +
     // threads, .. of every item in turn, and merges those groups' rows: the partials it merges are in its own
     // core's cache (not half of them in the other's), and the threads' work is equal.
