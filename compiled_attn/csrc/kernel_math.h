@@ -317,6 +317,19 @@ static inline void weighted_rows(const int64_t* ids, const float* const* vp, int
     for (int j = 0; j < NCH; ++j) storef(o + r * Dv + 16 * j, a[r][j]);
 }
 
+// weighted_rows for nch (1 to 4) chunks of 16 columns known at run time: each count compiled on its own, so that the
+// sums stay in registers.
+template <int NR>
+static inline void weighted_rows_n(int64_t nch, const int64_t* ids, const float* const* vp, int64_t n, const float* w,
+                                   int64_t cb, float* o, int64_t Dv) {
+  switch (nch) {
+    case 4: weighted_rows<NR, 4>(ids, vp, n, w, cb, o, Dv); break;
+    case 3: weighted_rows<NR, 3>(ids, vp, n, w, cb, o, Dv); break;
+    case 2: weighted_rows<NR, 2>(ids, vp, n, w, cb, o, Dv); break;
+    default: weighted_rows<NR, 1>(ids, vp, n, w, cb, o, Dv); break;
+  }
+}
+
 // A per-call buffer left uninitialised (every element is written before it is read): a std::vector's zero fill of
 // the tile path's buffers was a memset of megabytes per call.
 template <class T>

@@ -109,22 +109,11 @@ static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, 
       std::memset(o, 0, sizeof(float) * lanes * Dv);
       for (int64_t cb = 0; cb < Dv; cb += 64) {
         const int64_t nch = std::min<int64_t>(4, (Dv - cb) / 16);
-        for (int64_t rr = 0; rr < lanes; rr += 4) {
-          const bool four = rr + 4 <= lanes;
-          float* orow = o + rr * Dv + cb;
-          const float* w = st + rr;
-          switch (four ? nch : 0) {
-            case 4: weighted_rows<4, 4>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
-            case 3: weighted_rows<4, 3>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
-            case 2: weighted_rows<4, 2>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
-            case 1: weighted_rows<4, 1>(seq, ds.vp.data(), n, w, cb, orow, Dv); break;
-            default:  // the last 1 - 3 rows
-              for (int64_t x = rr; x < lanes; ++x)
-                for (int64_t c = 0; c < n; ++c)
-                  for (int64_t d = 0; d < nch * 16; d += 16)
-                    storef(o + x * Dv + cb + d, loadf(o + x * Dv + cb + d) + splat(st[c * 16 + x]) * loadf(ds.vp[c] + cb + d));
-          }
-        }
+        int64_t rr = 0;
+        for (; rr + 4 <= lanes; rr += 4)
+          weighted_rows_n<4>(nch, seq, ds.vp.data(), n, st + rr, cb, o + rr * Dv + cb, Dv);
+        for (; rr < lanes; ++rr)  // the last 1 - 3 rows one at a time
+          weighted_rows_n<1>(nch, seq, ds.vp.data(), n, st + rr, cb, o + rr * Dv + cb, Dv);
       }
     }
   }

@@ -152,13 +152,7 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
               if (next_h < hkv) fetch_values(next_h, next_i0, std::min(n, next_i0 + kWideSpan), call++, calls);
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
-              const int64_t* id = ws.ids.data() + i0;
-              switch (nch) {  // the columns' count fixed at compile time: the sums stay in registers
-                case 4: weighted_rows<4, 4>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 3: weighted_rows<4, 3>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                case 2: weighted_rows<4, 2>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-                default: weighted_rows<4, 1>(id, ws.vp.data(), i1 - i0, wr, cb, o, Dv); break;
-              }
+              weighted_rows_n<4>(nch, ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv);
             }
           }
         }
