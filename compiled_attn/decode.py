@@ -12,10 +12,11 @@ copy, over the used blocks only: by the C++ kernel (``native_decode``, head size
 576/512 latent included; it skips a bucket's unused blocks and merges the rest in the same call), eagerly and
 compiled, or else, under ``torch.compile`` with one head size and separate K and V caches, as code that inductor traces
 (``decode_fused.fused_block_partials``, after ``decode_fused.used_blocks`` counts the used blocks on the host: a
-data-dependent size to the compile). On CPU eagerly without that kernel (one head size, no soft-cap), and for
-a batch of one indexed on the host, the opaque op ``decode_flash`` runs the blocks through ATen's CPU flash kernel
-(``decode_flash.py``: one request as one sequence, a small batch padded into one call, else L2-sized chunks of
-blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's padding.
+data-dependent size to the compile). On CPU eagerly without that kernel (one head size, no soft-cap), the opaque
+op ``decode_flash`` runs the blocks through ATen's CPU flash kernel (``decode_flash.py``: one request as one
+sequence, its slots in one gather where the host indexed it, a small batch padded into one call, else L2-sized
+chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's
+padding.
 Elsewhere (CUDA, where inductor turns it into fused kernels; without the kernel, MLA's 576/512 and soft-capped
 models eagerly) the matmul form below runs.
 
@@ -255,10 +256,9 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
-    # eagerly, a batch of one indexed on the host keeps its one gather and one flash call (the kernel's op calls
-    # and merge cost more than that at short contexts)
+    # a batch of one indexed on the host too: the kernel reads the table that index builds from its slots
     native = native is not False and native_fits(q, k_cache, v_cache)
-    if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native and index.single is None):
+    if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native):
         if native:  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
             ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
             return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,

@@ -155,8 +155,7 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
-    # eagerly, a batch of one indexed on the host keeps its one gather and one flash call, as in decode
-    native = native is not False and native_fits(q, k_cache, v_cache) and index.prefix.single is None
+    native = native is not False and native_fits(q, k_cache, v_cache)
     rows = k * hq // hkv
     rows_fit = ((rows <= (NATIVE_MAX_ROWS if native else FUSED_MAX_ROWS)
                  or native and (tiles_serve(q, k_cache, v_cache, rows) or wide_serves(rows)))

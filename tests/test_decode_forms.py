@@ -82,16 +82,17 @@ def test_single_request_both_ways(monkeypatch, length, single_request_chunks, dt
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_single_request_reads_its_slots_without_the_block_table(window, page_size):
-    """A batch of one, eagerly on CPU: the host-built index hands the decode the request's key slots
-    (``DecodeIndex.single``) and builds no block table unless something reads it; the output still matches the
-    float64 reference (a window: the keys from its start; a paged table)."""
+    """A batch of one, eagerly on CPU without the C++ kernel (``native=False``): the host-built index hands the
+    decode the request's key slots (``DecodeIndex.single``) and builds no block table unless something reads it;
+    the output still matches the float64 reference (a window: the keys from its start; a paged table). The kernel
+    (the default where it fits) reads the table that index builds, the traced form's, to the same result."""
     b = make_batch([130], hq=8, hkv=2, dqk=32, decode=True, seed=3, page_size=page_size)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=16,
                        sliding_window=window, page_size=page_size)
     index = build_decode_index(b.req_to_token, meta.inputs, page_size)
     lo = 0 if window is None else 130 - (window + 1)
     assert torch.equal(index.single, b.req_to_token[b.rows[0], lo:130].long())
-    out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, native=False)
     assert index._table is None  # the decode never read the block table
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.seq_lens - 1,
                               torch.ones(1, dtype=torch.long), scale=0.3, sliding_window=window)
@@ -99,6 +100,8 @@ def test_single_request_reads_its_slots_without_the_block_table(window, page_siz
     # read, the table is the traced form's
     traced = build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
     assert torch.equal(index.slots, traced.slots) and torch.equal(index.valid, traced.valid)
+    torch.testing.assert_close(decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3).double(), ref, atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", ["dense", "blocks"])

@@ -91,12 +91,13 @@ def test_engine_layout_decodes_in_place(monkeypatch, window, with_sinks, dtype, 
 
 @pytest.mark.parametrize("length", [40, 130, 1500])
 def test_one_request_in_place(monkeypatch, length):
-    """A batch of one (the host-built index's ``single`` slots): its decode steps follow its prompt, one run in
-    all, read in place from ``MIN_RUN`` slots on."""
+    """A batch of one (the host-built index's ``single`` slots) without the C++ kernel: its decode steps follow its
+    prompt, one run in all, read in place from ``MIN_RUN`` slots on."""
     calls = spy_key_runs(monkeypatch)
     b = make_batch([length], hq=4, hkv=2, dqk=16, decode=True, seed=4, slot_layout="engine")
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
-    out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25)
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25,
+                        native=False)
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.25)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -101,20 +101,22 @@ def test_prefix_read_in_several_chunks(monkeypatch):
 
 @pytest.mark.parametrize("prefix", [0, 300])
 def test_single_request_prefix_reads_its_slots(prefix):
-    """A batch of one indexed on the host: the prefix is read through its slots (one gather, one kernel call), the
-    block table never built; equal to the traced index's result and the float64 reference."""
+    """A batch of one indexed on the host, without the C++ kernel (``native=False``): the prefix is read through
+    its slots (one gather, one flash call), the block table never built; equal to the traced index's result and
+    the float64 reference. The kernel (the default where it fits) reads the table the host index builds."""
     k = 4
     b, pre = _case([prefix], k, hq=8, hkv=2, seed=5)
     masks = random_trees(1, k, torch.Generator().manual_seed(2))
     meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks.reshape(-1))
     host = build_verify_index(b.req_to_token, meta.inputs)
     traced = build_verify_index(b.req_to_token, meta.inputs, host_form=False)
-    out = verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5)
+    out = verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5, native=False)
     if prefix:
         assert host.prefix._table is None
-    torch.testing.assert_close(out, verify_blocks(b.q, b.k_cache, b.v_cache, traced, 16 ** -0.5))
+    torch.testing.assert_close(out, verify_blocks(b.q, b.k_cache, b.v_cache, traced, 16 ** -0.5, native=False))
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks, 16 ** -0.5)
     assert (out.double() - ref).abs().max() < 1e-5
+    assert (verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5).double() - ref).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("form", list(FORMS))
