@@ -218,7 +218,8 @@ def _run_cases(args) -> None:
                 for bs in args.batch_size or [1, 8, 32]]
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
-              "masked per-request SDPA loop / verify; "
+              "masked per-request SDPA loop / verify; _eager: uncompiled, as SGLang's CPU speculation runs verify "
+              "(eager_x_decode1: verify / decode step, both so); "
               + ("every call reads the same K/V, as the call before left it in cache (--warm)" if args.warm else
                  "every call reads its K/V from memory, as a layer's in a serving step (copies of it, "
                  f"{cold / 2**20:.0f} MiB, read in turn; --warm: one)"))

@@ -8,7 +8,10 @@ draft tokens each, as a chain (topk 1) or a random tree, in the model's dtype (q
   * ``decodek``: ``k`` decode steps (the draft tokens one at a time, as without verify);
   * ``loop``:    per request, SDPA of its ``k`` queries over its ``prefix + k`` keys with the bool mask (the
     efficient per-request form; SGLang's torch_native has no verify, and its extend algorithm pads the queries to
-    the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only).
+    the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only);
+  * ``verify_eager`` and ``decode1_eager``: ``verify`` and ``decode1`` uncompiled (index included), as SGLang's
+    CPU speculation runs its verify (its CPU graph runner does not run speculative decoding) and as a graph bucket
+    replays a step measured faster eagerly (at bs 1, where the compiled call's guards cost more than they save).
 With ``window`` (a sliding-window layer's, as gpt-oss alternates them) all four read each token's window only: draft
 token ``i`` at ``prefix + depth_i`` sees keys from there less the window on.
 
@@ -38,7 +41,7 @@ from .models import get_attention_shape
 from .ops import mark_as_bucket
 
 COLUMNS = ["op", "bs", "k", "mask", "window", "slots", "dtype", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms",
-           "x_decode1", "decodek_x", "loop_x", "tokens"]
+           "x_decode1", "decodek_x", "loop_x", "verify_eager_ms", "decode1_eager_ms", "eager_x_decode1", "tokens"]
 
 
 def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
@@ -81,7 +84,8 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
                       slot_layout: str = "scattered", dtype: torch.dtype = torch.float32,
                       window: int | None = None, cold_bytes: int = 0) -> dict:
     """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
-    ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify against the loop).
+    ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify, compiled and
+    eager, against the loop), ``eager_x_decode1`` = the two uncompiled.
     cold_bytes: > 0 keeps at least that many bytes of copies of the batch's K/V (and one more), each call reading
     the next (from memory when it exceeds the last-level cache); 0: one copy, read by every call."""
     shape = get_attention_shape(name)
@@ -127,10 +131,18 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     def run_loop():
         return _loop(q, kc, vc, next_table(), rows, prefix, k, mask, scale, window)
 
+    def run_verify_eager():
+        return _verify_step(q, kc, vc, next_table(), meta.inputs, scale, window)
+
+    def run_decode1_eager():
+        return _decode_step(steps[0][0], kc, vc, next_table(), steps[0][1], scale)
+
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(run_verify().float(), run_loop().float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(run_verify_eager().float(), run_loop().float(), atol=tol, rtol=tol)
     times = time_interleaved({"verify": run_verify, "decode1": run_decode1, "decodek": run_decodek,
-                              "loop": run_loop}, warmup=2, iters=iters)
+                              "loop": run_loop, "verify_eager": run_verify_eager,
+                              "decode1_eager": run_decode1_eager}, warmup=2, iters=iters)
     t = {n: median(v) for n, v in times.items()}
     return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain",
             "window": "-" if window is None else window, "slots": slot_layout,
@@ -138,4 +150,5 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
             "verify_ms": t["verify"] * 1e3, "decode1_ms": t["decode1"] * 1e3, "decodek_ms": t["decodek"] * 1e3,
             "loop_ms": t["loop"] * 1e3, "x_decode1": t["verify"] / t["decode1"],
             "decodek_x": t["decodek"] / t["verify"], "loop_x": t["loop"] / t["verify"],
-            "tokens": int(prefix.sum()) + bs * k}
+            "verify_eager_ms": t["verify_eager"] * 1e3, "decode1_eager_ms": t["decode1_eager"] * 1e3,
+            "eager_x_decode1": t["verify_eager"] / t["decode1_eager"], "tokens": int(prefix.sum()) + bs * k}
