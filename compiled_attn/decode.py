@@ -256,7 +256,8 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
-    # a batch of one indexed on the host too: the kernel reads the table that index builds from its slots
+    # a batch of one indexed on the host too (the kernel splits its KV heads between the threads, faster than
+    # its one gather and flash call at any length): the kernel reads the table that index builds from its slots
     native = native is not False and native_fits(q, k_cache, v_cache)
     if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native):
         if native:  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
