@@ -81,7 +81,7 @@ def test_single_request_both_ways(monkeypatch, length, single_request_chunks, dt
 
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_single_request_reads_its_slots_without_the_block_table(window, page_size):
+def test_single_request_reads_its_slots_without_the_block_table(monkeypatch, window, page_size):
     """A batch of one, eagerly on CPU without the C++ kernel (``native=False``): the host-built index hands the
     decode the request's key slots (``DecodeIndex.single``) and builds no block table unless something reads it;
     the output still matches the float64 reference (a window: the keys from its start; a paged table). The kernel
@@ -100,8 +100,14 @@ def test_single_request_reads_its_slots_without_the_block_table(window, page_siz
     # read, the table is the traced form's
     traced = build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
     assert torch.equal(index.slots, traced.slots) and torch.equal(index.valid, traced.valid)
+    import compiled_attn.decode as decode
+
+    calls = []
+    monkeypatch.setattr(decode, "native_decode_blocks", lambda *a, _f=decode.native_decode_blocks: calls.append(1)
+                        or _f(*a))
     torch.testing.assert_close(decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3).double(), ref, atol=1e-5,
                                rtol=1e-5)
+    assert len(calls) == (1 if native_available() else 0)  # the kernel, where it is built
 
 
 @pytest.mark.parametrize("path", ["dense", "blocks"])

@@ -100,7 +100,7 @@ def test_prefix_read_in_several_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("prefix", [0, 300])
-def test_single_request_prefix_reads_its_slots(prefix):
+def test_single_request_prefix_reads_its_slots(monkeypatch, prefix):
     """A batch of one indexed on the host, without the C++ kernel (``native=False``): the prefix is read through
     its slots (one gather, one flash call), the block table never built; equal to the traced index's result and
     the float64 reference. The kernel (the default where it fits) reads the table the host index builds."""
@@ -116,7 +116,13 @@ def test_single_request_prefix_reads_its_slots(prefix):
     torch.testing.assert_close(out, verify_blocks(b.q, b.k_cache, b.v_cache, traced, 16 ** -0.5, native=False))
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks, 16 ** -0.5)
     assert (out.double() - ref).abs().max() < 1e-5
+    import compiled_attn.verify as verify
+
+    calls = []
+    monkeypatch.setattr(verify, "native_decode_blocks", lambda *a, _f=verify.native_decode_blocks: calls.append(1)
+                        or _f(*a))
     assert (verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5).double() - ref).abs().max() < 1e-5
+    assert len(calls) == (1 if native_available() else 0)  # the kernel, where it is built
 
 
 @pytest.mark.parametrize("form", list(FORMS))
