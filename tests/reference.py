@@ -54,6 +54,19 @@ def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefi
     return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)
 
 
+def spy_calls(monkeypatch, owner, name: str) -> list:
+    """``owner.name`` (a module's function) replaced through ``monkeypatch`` by a wrapper that records each call's
+    positional arguments, then calls it; returns the list they are recorded in."""
+    calls, real = [], getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 def in_place_op():
     """The op a compiled CPU decode's (and verify's) graph calls to read K/V in place: the C++ kernel's where it
     is built (``native_decode_blocks``: the whole decode, or verify's prefix and draft block), else the traced

@@ -8,8 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import DECODE_FORMS, in_place_op, reference_attention
+from reference import DECODE_FORMS, in_place_op, reference_attention, spy_calls
 
+import compiled_attn.decode as decode
 from compiled_attn import build_decode_index, decode_blocks, plan_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.block_flash import block_attention, chunk_blocks_for, supports_block_flash
@@ -100,11 +101,7 @@ def test_single_request_reads_its_slots_without_the_block_table(monkeypatch, win
     # read, the table is the traced form's
     traced = build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
     assert torch.equal(index.slots, traced.slots) and torch.equal(index.valid, traced.valid)
-    import compiled_attn.decode as decode
-
-    calls = []
-    monkeypatch.setattr(decode, "native_decode_blocks", lambda *a, _f=decode.native_decode_blocks: calls.append(1)
-                        or _f(*a))
+    calls = spy_calls(monkeypatch, decode, "native_decode_blocks")
     torch.testing.assert_close(decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3).double(), ref, atol=1e-5,
                                rtol=1e-5)
     assert len(calls) == (1 if native_available() else 0)  # the kernel, where it is built

@@ -17,7 +17,7 @@ from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.decode_fused import scaled_queries
 from compiled_attn.native_decode import native_available, native_block_partials, native_fits
 from compiled_attn.plan import plan_decode
-from tests.reference import reference_attention
+from tests.reference import reference_attention, spy_calls
 from tests.test_kv_formats import poison_unread
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
@@ -166,10 +166,8 @@ def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
                               b.ext_lens, scale=0.3)
     import compiled_attn.decode as decode
 
-    calls = []
     with pytest.MonkeyPatch.context() as mp:
-        real = decode.native_decode_blocks
-        mp.setattr(decode, "native_decode_blocks", lambda *a: calls.append(1) or real(*a))
+        calls = spy_calls(mp, decode, "native_decode_blocks")
         out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
         assert calls
         calls.clear()

@@ -10,6 +10,7 @@ import compiled_attn.sglang.testing as H
 H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
+from reference import spy_calls  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang_compare import run_forward  # noqa: E402
 from test_inplace_flash import spy_key_runs  # noqa: E402
@@ -22,9 +23,7 @@ from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
     calls = spy_key_runs(monkeypatch)  # each forward whose keys were read as runs of slots
-    native = []
-    real = decode.native_decode_blocks
-    monkeypatch.setattr(decode, "native_decode_blocks", lambda *a: native.append(1) or real(*a))
+    native = spy_calls(monkeypatch, decode, "native_decode_blocks")
     g = H.GEOMETRIES["gqa"]
     outs = []
     for make in (H.make_torch_native_backend, CompiledAttnBackend):

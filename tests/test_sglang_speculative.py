@@ -13,6 +13,8 @@ import compiled_attn.sglang.testing as H
 H.ensure_sglang_importable()
 pytest.importorskip("sglang")
 
+from reference import spy_calls  # noqa: E402
+
 from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
@@ -144,9 +146,7 @@ def test_target_verify_soft_cap_and_bf16(monkeypatch):
     import compiled_attn.verify as verify_mod
     from compiled_attn.native_decode import native_available
 
-    calls = []
-    real = verify_mod.native_decode_blocks
-    monkeypatch.setattr(verify_mod, "native_decode_blocks", lambda *a: calls.append(a) or real(*a))
+    calls = spy_calls(monkeypatch, verify_mod, "native_decode_blocks")
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=13)
     masks, spec = _tree_spec(5)
