@@ -1,7 +1,7 @@
 """The benchmark and serving host: keep glibc's allocator from page-faulting large buffers afresh every step, back
 large buffers with 2 MiB pages, and say how much of the machine other processes used during a measurement (these
 2-core machines are shared), and how large its last-level cache is (a benchmark that means to read from memory
-evicts it between calls)."""
+reads more than that between two calls of one op)."""
 from __future__ import annotations
 
 import ctypes

@@ -12,16 +12,16 @@ draft tokens each, as a chain (topk 1) or a random tree, in the model's dtype (q
   * ``verify_eager`` and ``decode1_eager``: ``verify`` and ``decode1`` uncompiled (index included), as SGLang's
     CPU speculation runs its verify (its CPU graph runner does not run speculative decoding) and as a graph bucket
     replays a step measured faster eagerly (at bs 1, where the compiled call's guards cost more than they save).
-With ``window`` (a sliding-window layer's, as gpt-oss alternates them) all four read each token's window only: draft
+With ``window`` (a sliding-window layer's, as gpt-oss alternates them) each reads each token's window only: draft
 token ``i`` at ``prefix + depth_i`` sees keys from there less the window on.
 
 Each timed call can read its K/V from memory (``cold_bytes``: the caches then hold that many bytes of copies of the
 batch's K/V, and each call, each decode step of ``decodek`` too, reads the next copy): in a serving step a layer's
 K/V comes from memory (the model's weights and every other layer's cache pass between two calls of one layer's
-attention), while here all four read the same K/V one after another, and at bs 8 (34 MB at llama's shape) it fits a
-large last-level cache, so that whichever candidate follows another finds it there. (Writing a buffer the size of
-the cache before each call instead would start every call with Python's and torch's own code and data out of cache
-too, which a serving step does not see.)
+attention), while here every candidate reads the same K/V one after another, and at bs 8 (34 MB at llama's
+shape) it fits a large last-level cache, so that whichever candidate follows another finds it there. (Writing a
+buffer the size of the cache before each call instead would start every call with Python's and torch's own code
+and data out of cache too, which a serving step does not see.)
 """
 from __future__ import annotations
 
