@@ -256,7 +256,7 @@ tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native
 @tiles_only
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("hq, hkv, d", [(16, 2, 128), (32, 2, 64), (64, 2, 128), (8, 1, 256), (16, 2, 96),
-                                        (8, 1, 32)])
+                                        (8, 1, 32), (48, 1, 64)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
 def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
     """The tile path (a bf16 query, 8 / 16 / 32 query rows per KV head): the scores' products are exact (the query
@@ -264,7 +264,8 @@ def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
     rounds each softmax weight to bf16, so o is within 2^-9 of the weights' mass times the largest |V|, and not
     equal to the vector path's (float32 weights): the tiles did run. Scales, a soft-cap, NaN in unread slots,
     chunks staged (page size 1, a block's end) and read in place (16 consecutive slots), and head sizes whose V
-    sums leave a group of four accumulator tiles partly used (96: 4 + 2 tiles, 32: 2)."""
+    sums leave a group of four accumulator tiles partly used (96: 4 + 2 tiles, 32: 2); 32 and 48 rows per KV head
+    take their V sums two row groups at a time (48: a pair, then one group alone)."""
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)

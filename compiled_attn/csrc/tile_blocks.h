@@ -22,8 +22,9 @@
 //   rounded to bf16, 32 positions x 16 lanes transposed in registers into the rows the V products take;
 // - V head by head, kVSpan positions at a time: staged with each pair of positions interleaved (the tile unit's
 //   layout for the B operand), then per group of query rows and 64 columns, O [rows, 16 columns] += P [rows, 32
-//   positions] V_pairs in four accumulator tiles; the interleave permutes columns within each 32, undone when the
-//   item's sums are written out.
+//   positions] V_pairs in four accumulator tiles (a head with two or more groups: per pair of groups and 32
+//   columns, so that each V tile loaded serves both); the interleave permutes columns within each 32, undone when
+//   the item's sums are written out.
 // Prefetches, so that the reads overlap the compute: the next block's K (the next item's first block's too: the
 // caller says which block follows) comes into L2 during the V phase; where the slots run in order, the block's V
 // (all heads) during its scores and softmax, a few lines per loop step (RowStream); where they are scattered,
@@ -210,7 +211,45 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
             _mm512_storeu_si512(dst + 2 * d + 32, _mm512_unpackhi_epi16(x0, x1));
           }
         }
-        for (int64_t t = 0; t < ts.groups; ++t) {
+        int64_t t = 0;
+        // two row groups at a time (where a head has them, gt = 16): each V tile loaded once for both, products
+        // of a group and 32 columns in four accumulator tiles
+        for (; t + 1 < ts.groups; t += 2) {
+          const int64_t r0 = h * G + t * gt, r1 = r0 + gt;
+          for (int64_t j0 = 0; j0 < Dv / 16; j0 += 2) {
+            float* o0 = ts.cs.acc.data() + r0 * Dv + 16 * j0;
+            float* o1 = ts.cs.acc.data() + r1 * Dv + 16 * j0;
+            if (first && s0 == c_lo) {
+              _tile_zero(3);
+              _tile_zero(4);
+              _tile_zero(5);
+              _tile_zero(6);
+            } else {
+              TILE_LOAD(3, o0, Dv * 4);
+              TILE_LOAD(4, o0 + 16, Dv * 4);
+              TILE_LOAD(5, o1, Dv * 4);
+              TILE_LOAD(6, o1 + 16, Dv * 4);
+            }
+            for (int64_t c0 = s0; c0 < s1; c0 += 32) {
+              if (!ts.valid_bits[c0 / 32]) continue;
+              ks.fetch(k_per);
+              const uint16_t* vb = ts.vt.data() + (c0 - s0) / 2 * Dv * 2 + 32 * j0;
+              TILE_LOAD(7, ts.pt.data() + r0 * Bp + c0, Bp * 2);
+              TILE_LOAD(0, vb, Dv * 4);
+              TILE_LOAD(1, vb + 32, Dv * 4);
+              _tile_dpbf16ps(3, 7, 0);
+              TILE_LOAD(2, ts.pt.data() + r1 * Bp + c0, Bp * 2);
+              _tile_dpbf16ps(4, 7, 1);
+              _tile_dpbf16ps(5, 2, 0);
+              _tile_dpbf16ps(6, 2, 1);
+            }
+            _tile_stored(3, o0, Dv * 4);
+            _tile_stored(4, o0 + 16, Dv * 4);
+            _tile_stored(5, o1, Dv * 4);
+            _tile_stored(6, o1 + 16, Dv * 4);
+          }
+        }
+        for (; t < ts.groups; ++t) {
           const int64_t r0 = h * G + t * gt;
           for (int64_t j0 = 0; j0 < Dv / 16; j0 += 4) {
             const int64_t jn = std::min<int64_t>(4, Dv / 16 - j0);

@@ -78,7 +78,8 @@ struct TileScratch {
     // that loading one chunk's tiles need not wait for the products still reading the other's
     if (groups == 1) scores.colsb[4] = scores.colsb[5] = 64;
     // V sums: V (16 position pairs x 16 columns) in tiles 0-2 in turn, O in tiles 3-6 (gt rows x 16 float32
-    // columns), P in 7 (gt rows x 32 positions, bf16)
+    // columns), P in 7 (gt rows x 32 positions, bf16); two row groups at a time (gt = 16) take V in 0 and 1 and
+    // the second group's P in 2
     for (int i : {0, 1, 2}) sums.rows[i] = 16, sums.colsb[i] = 64;
     for (int i = 3; i < 8; ++i) sums.rows[i] = (uint8_t)gt, sums.colsb[i] = 64;
   }
