@@ -339,8 +339,8 @@ def test_fused_and_cpu_flash_together_is_an_error():
 @pytest.mark.parametrize("cold_bytes", [0, 1 << 20], ids=["warm", "cold"])
 def test_bench_verify_case_row(cold_bytes):
     """The benchmark helper (``bench/ops_verify.py``) at a tiny shape: one row with every column, finite times,
-    every call reading the same K/V, and each the next of copies of it (verify checked against the loop on them);
-    no recompile for a copy."""
+    every call reading the same K/V, and each the next of copies of it (verify checked against the loop on them,
+    and over the folded table of ``verify_cached``); no recompile for a copy or the folded table."""
     from compiled_attn.bench.ops_verify import COLUMNS, bench_verify_case
 
     torch._dynamo.reset()
@@ -348,4 +348,5 @@ def test_bench_verify_case_row(cold_bytes):
     row = bench_verify_case(2, 3, True, 1, name="tiny-mha", cold_bytes=cold_bytes)
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) == 0
     assert set(COLUMNS) <= set(row) and row["mask"] == "tree" and row["k"] == 3
-    assert all(row[c] > 0 for c in COLUMNS if c.endswith(("_ms", "_x", "x_decode1")))
+    assert all(row[c] > 0 for c in COLUMNS if c.endswith(("_ms", "_x", "x_decode1", "x_read")))
+    assert {"verify_cached_ms", "cached_x_decode1", "read_ms", "x_read"} <= set(COLUMNS)

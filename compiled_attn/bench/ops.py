@@ -53,10 +53,15 @@ def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
     attention cannot beat (the physical bound column)."""
     slots = torch.cat([b.req_to_token[r, :n].long() for r, n in zip(b.rows.tolist(), lens, strict=True)])
     parts = [b.k_cache[slots].reshape(-1)] + ([] if mla else [b.v_cache[slots].reshape(-1)])
-    out = torch.cat(parts)
-    # the same bytes summed as float32 (values do not matter): ATen's float sum streams at memory speed, while
-    # its integer and float8 sums are several times slower than a read
-    return out.view(torch.float32) if out.dtype != torch.float32 and out.numel() * out.element_size() % 4 == 0 else out
+    return float32_words(torch.cat(parts))
+
+
+def float32_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as one flat tensor of float32 words, to be summed as a one-pass read (values do
+    not matter): ATen's float sum streams at memory speed, while its integer and float8 sums are several times
+    slower than a read."""
+    flat = t.reshape(-1)
+    return flat.view(torch.float32) if flat.dtype != torch.float32 and flat.nbytes % 4 == 0 else flat
 
 
 def mark_as_bucket(q, k_cache, v_cache, table, block_offsets) -> None:
@@ -219,7 +224,9 @@ def _run_cases(args) -> None:
         print(format_table(rows, VERIFY_COLUMNS), flush=True)
         print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
               "masked per-request SDPA loop / verify; _eager: uncompiled, as SGLang's CPU speculation runs verify "
-              "(eager_x_decode1: verify / decode step, both so); "
+              "(eager_x_decode1: verify / decode step, both so); cached_x_decode1: verify over K/V in cache (every "
+              "slot folded into a few: the arithmetic alone) / one decode step, the least x_decode1 could be with "
+              "every read overlapped; x_read: verify / a one-pass read of the K/V bytes (.sum); "
               + ("every call reads the same K/V, as the call before left it in cache (--warm)" if args.warm else
                  "every call reads its K/V from memory, as a layer's in a serving step (copies of it, "
                  f"{cold / 2**20:.0f} MiB, read in turn; --warm: one)"))

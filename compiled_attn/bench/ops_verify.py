@@ -11,7 +11,12 @@ draft tokens each, as a chain (topk 1) or a random tree, in the model's dtype (q
     the whole sequence, ``loop_baseline.loop_extend``, far slower and chain-only);
   * ``verify_eager`` and ``decode1_eager``: ``verify`` and ``decode1`` uncompiled (index included), as SGLang's
     CPU speculation runs its verify (its CPU graph runner does not run speculative decoding) and as a graph bucket
-    replays a step measured faster eagerly (at bs 1, where the compiled call's guards cost more than they save).
+    replays a step measured faster eagerly (at bs 1, where the compiled call's guards cost more than they save);
+  * ``verify_cached``: ``verify`` with every slot of its table folded into the first ``FOLD_SLOTS`` (their K/V
+    stay in a core's cache): the arithmetic alone. ``cached_x_decode1`` = verify_cached / decode1 is the least
+    ``x_decode1`` could be were every read of the K/V overlapped with that arithmetic;
+  * ``read``: a one-pass read (``.sum()``) of the K/V bytes the batch's copy holds, the physical bound of a step
+    that reads them (``x_read`` = verify / read).
 With ``window`` (a sliding-window layer's, as gpt-oss alternates them) each reads each token's window only: draft
 token ``i`` at ``prefix + depth_i`` sees keys from there less the window on.
 
@@ -38,10 +43,14 @@ from ..plan import plan_decode
 from ..verify import build_verify_index, plan_verify, verify_blocks
 from .batches import make_batch
 from .models import get_attention_shape
-from .ops import mark_as_bucket
+from .ops import float32_words, mark_as_bucket
 
 COLUMNS = ["op", "bs", "k", "mask", "window", "slots", "dtype", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms",
-           "x_decode1", "decodek_x", "loop_x", "verify_eager_ms", "decode1_eager_ms", "eager_x_decode1", "tokens"]
+           "x_decode1", "decodek_x", "loop_x", "verify_eager_ms", "decode1_eager_ms", "eager_x_decode1",
+           "verify_cached_ms", "cached_x_decode1", "read_ms", "x_read", "tokens"]
+# verify_cached's table: every slot folded into the first FOLD_SLOTS (llama's shape: 1 MB of K/V in float32, half
+# that in bf16, inside one core's L2)
+FOLD_SLOTS = 128
 
 
 def random_tree(k: int, g: torch.Generator) -> torch.Tensor:
@@ -85,7 +94,8 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
                       window: int | None = None, cold_bytes: int = 0) -> dict:
     """One table row (``COLUMNS``): medians in ms and the ratios ``x_decode1`` = verify / one decode step,
     ``decodek_x`` = k decode steps / verify, ``loop_x`` = loop / verify (after checking verify, compiled and
-    eager, against the loop), ``eager_x_decode1`` = the two uncompiled.
+    eager, against the loop), ``eager_x_decode1`` = the two uncompiled, ``cached_x_decode1`` = verify over K/V in
+    cache / one decode step, ``x_read`` = verify / the one-pass read of the K/V.
     cold_bytes: > 0 keeps at least that many bytes of copies of the batch's K/V (and one more), each call reading
     the next (from memory when it exceeds the last-level cache); 0: one copy, read by every call."""
     shape = get_attention_shape(name)
@@ -102,9 +112,17 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     for t in tables[1:]:
         torch._dynamo.mark_static(t)  # as mark_as_bucket marks the first (below): no recompile for a copy
     table, turn = tables[0], itertools.count()
+    cached_table = table % FOLD_SLOTS  # runs of slots stay runs (but at the folds): the same paths as table's
+    torch._dynamo.mark_static(cached_table)
+    # the K/V bytes of each copy (its slots: the batch's tokens and a few more) for the one-pass read
+    copy_words = [tuple(float32_words(c[i * num_slots:(i + 1) * num_slots]) for c in (kc, vc))
+                  for i in range(copies)]
+
+    def next_copy():
+        return next(turn) % copies
 
     def next_table():
-        return tables[next(turn) % copies]
+        return tables[next_copy()]
 
     scale = shape.dqk ** -0.5
     mask = (torch.stack([random_tree(k, g) for _ in range(bs)]) if tree
@@ -137,12 +155,22 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
     def run_decode1_eager():
         return _decode_step(steps[0][0], kc, vc, next_table(), steps[0][1], scale)
 
+    def run_verify_cached():
+        return verify(q, kc, vc, cached_table, meta.inputs, scale, window)
+
+    def run_read():
+        k_words, v_words = copy_words[next_copy()]
+        return k_words.sum() + v_words.sum()
+
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(run_verify().float(), run_loop().float(), atol=tol, rtol=tol)
     torch.testing.assert_close(run_verify_eager().float(), run_loop().float(), atol=tol, rtol=tol)
+    folded_loop = _loop(q, kc, vc, cached_table, rows, prefix, k, mask, scale, window)
+    torch.testing.assert_close(run_verify_cached().float(), folded_loop.float(), atol=tol, rtol=tol)
     times = time_interleaved({"verify": run_verify, "decode1": run_decode1, "decodek": run_decodek,
                               "loop": run_loop, "verify_eager": run_verify_eager,
-                              "decode1_eager": run_decode1_eager}, warmup=2, iters=iters)
+                              "decode1_eager": run_decode1_eager, "verify_cached": run_verify_cached,
+                              "read": run_read}, warmup=2, iters=iters)
     t = {n: median(v) for n, v in times.items()}
     return {"op": f"{name} verify", "bs": bs, "k": k, "mask": "tree" if tree else "chain",
             "window": "-" if window is None else window, "slots": slot_layout,
@@ -151,4 +179,7 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
             "loop_ms": t["loop"] * 1e3, "x_decode1": t["verify"] / t["decode1"],
             "decodek_x": t["decodek"] / t["verify"], "loop_x": t["loop"] / t["verify"],
             "verify_eager_ms": t["verify_eager"] * 1e3, "decode1_eager_ms": t["decode1_eager"] * 1e3,
-            "eager_x_decode1": t["verify_eager"] / t["decode1_eager"], "tokens": int(prefix.sum()) + bs * k}
+            "eager_x_decode1": t["verify_eager"] / t["decode1_eager"],
+            "verify_cached_ms": t["verify_cached"] * 1e3, "cached_x_decode1": t["verify_cached"] / t["decode1"],
+            "read_ms": t["read"] * 1e3, "x_read": t["verify"] / t["read"], "tokens": int(prefix.sum()) + bs * k}
+
