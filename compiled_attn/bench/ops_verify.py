@@ -182,4 +182,3 @@ def bench_verify_case(bs: int, k: int, tree: bool, iters: int, *, seed: int = 0,
             "eager_x_decode1": t["verify_eager"] / t["decode1_eager"],
             "verify_cached_ms": t["verify_cached"] * 1e3, "cached_x_decode1": t["verify_cached"] / t["decode1"],
             "read_ms": t["read"] * 1e3, "x_read": t["verify"] / t["read"], "tokens": int(prefix.sum()) + bs * k}
-

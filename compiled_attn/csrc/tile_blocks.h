@@ -132,6 +132,30 @@ static void tile_scores(const Problem& pr, const uint16_t* qt, const int64_t* sl
     }
 }
 
+// The V sums' accumulator tiles 3-6 (a null pointer: that tile unused): zeroed (an item's first span) or loaded
+// from the running sums at o3..o6 (rows stride bytes apart), and stored back there.
+static inline void load_sums(bool zero, const float* o3, const float* o4, const float* o5, const float* o6,
+                             int64_t stride) {
+  if (zero) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    return;
+  }
+  TILE_LOAD(3, o3, stride);
+  if (o4) TILE_LOAD(4, o4, stride);
+  if (o5) TILE_LOAD(5, o5, stride);
+  if (o6) TILE_LOAD(6, o6, stride);
+}
+
+static inline void store_sums(float* o3, float* o4, float* o5, float* o6, int64_t stride) {
+  _tile_stored(3, o3, stride);
+  if (o4) _tile_stored(4, o4, stride);
+  if (o5) _tile_stored(5, o5, stride);
+  if (o6) _tile_stored(6, o6, stride);
+}
+
 // One block by tiles, folded into its work item's running softmax (first / last: the item's first / last block;
 // the last writes the item's m, l, o, as the vector path's partials). next_slot / next_val: the block after it, of
 // whose keys next_k is the first head's (pr.k, or another work unit's heads).
@@ -219,17 +243,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           for (int64_t j0 = 0; j0 < Dv / 16; j0 += 2) {
             float* o0 = ts.cs.acc.data() + r0 * Dv + 16 * j0;
             float* o1 = ts.cs.acc.data() + r1 * Dv + 16 * j0;
-            if (first && s0 == c_lo) {
-              _tile_zero(3);
-              _tile_zero(4);
-              _tile_zero(5);
-              _tile_zero(6);
-            } else {
-              TILE_LOAD(3, o0, Dv * 4);
-              TILE_LOAD(4, o0 + 16, Dv * 4);
-              TILE_LOAD(5, o1, Dv * 4);
-              TILE_LOAD(6, o1 + 16, Dv * 4);
-            }
+            load_sums(first && s0 == c_lo, o0, o0 + 16, o1, o1 + 16, Dv * 4);
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
               if (!ts.valid_bits[c0 / 32]) continue;
               ks.fetch(k_per);
@@ -243,10 +257,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
               _tile_dpbf16ps(5, 2, 0);
               _tile_dpbf16ps(6, 2, 1);
             }
-            _tile_stored(3, o0, Dv * 4);
-            _tile_stored(4, o0 + 16, Dv * 4);
-            _tile_stored(5, o1, Dv * 4);
-            _tile_stored(6, o1 + 16, Dv * 4);
+            store_sums(o0, o0 + 16, o1, o1 + 16, Dv * 4);
           }
         }
         for (; t < ts.groups; ++t) {
@@ -254,17 +265,10 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
           for (int64_t j0 = 0; j0 < Dv / 16; j0 += 4) {
             const int64_t jn = std::min<int64_t>(4, Dv / 16 - j0);
             float* o = ts.cs.acc.data() + r0 * Dv + 16 * j0;
-            if (first && s0 == c_lo) {
-              _tile_zero(3);
-              _tile_zero(4);
-              _tile_zero(5);
-              _tile_zero(6);
-            } else {
-              TILE_LOAD(3, o, Dv * 4);
-              if (jn > 1) TILE_LOAD(4, o + 16, Dv * 4);
-              if (jn > 2) TILE_LOAD(5, o + 32, Dv * 4);
-              if (jn > 3) TILE_LOAD(6, o + 48, Dv * 4);
-            }
+            float* o4 = jn > 1 ? o + 16 : nullptr;
+            float* o5 = jn > 2 ? o + 32 : nullptr;
+            float* o6 = jn > 3 ? o + 48 : nullptr;
+            load_sums(first && s0 == c_lo, o, o4, o5, o6, Dv * 4);
             for (int64_t c0 = s0; c0 < s1; c0 += 32) {
               if (!ts.valid_bits[c0 / 32]) continue;
               ks.fetch(k_per);
@@ -279,10 +283,7 @@ static void tile_block(const Problem& pr, const uint16_t* qt, const int64_t* slo
               if (jn > 2) _tile_dpbf16ps(5, 7, 2);
               if (jn > 3) _tile_dpbf16ps(6, 7, 0);
             }
-            _tile_stored(3, o, Dv * 4);
-            if (jn > 1) _tile_stored(4, o + 16, Dv * 4);
-            if (jn > 2) _tile_stored(5, o + 32, Dv * 4);
-            if (jn > 3) _tile_stored(6, o + 48, Dv * 4);
+            store_sums(o, o4, o5, o6, Dv * 4);
           }
         }
       }
