@@ -259,7 +259,7 @@ tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native
                                         (8, 1, 32), (48, 1, 64)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
 def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
-    """The tile path (a bf16 query, 8 / 16 / 32 query rows per KV head): the scores' products are exact (the query
+    """The tile path (a bf16 query, 8 / 16 / 32 / 48 query rows per KV head): the scores' products are exact (the query
     taken back to bf16 from the scaled float32 one), so m and the sum match float64 at float32 tolerance; the V sum
     rounds each softmax weight to bf16, so o is within 2^-9 of the weights' mass times the largest |V|, and not
     equal to the vector path's (float32 weights): the tiles did run. Scales, a soft-cap, NaN in unread slots,
