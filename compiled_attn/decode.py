@@ -31,14 +31,15 @@ import torch
 from graphs import cdiv
 
 from . import validate
-from .block_flash import chunk_blocks_for, supports_block_flash
+from .block_flash import chunk_blocks_for
 from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
-from .decode_fused import choose_fused, grouped_queries, used_block_partials
+from .decode_fused import grouped_queries, used_block_partials
+from .forms import choose_form, explain
 from .inplace_flash import index_in_place
 from .kv_dtype import compute_dtype, dequantize, scale_pair
 from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_decode_blocks, native_fits
+from .native_decode import bf16_query_scale, native_decode_blocks
 from .opaque import opaque_op
 
 
@@ -256,26 +257,22 @@ def decode_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
+    choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, v_shares_k=v_shares_k,
+                         logit_cap=logit_cap, fused=fused, cpu_flash=cpu_flash, native=native)
+    explain("decode_blocks", choice, q, k_cache, v_cache, hq // hkv)
     # a batch of one indexed on the host too (the kernel splits its KV heads between the threads, faster than
     # its one gather and flash call at any length): the kernel reads the table that index builds from its slots
-    native = native is not False and native_fits(q, k_cache, v_cache)
-    if choose_fused(fused, cpu_flash, q, v_shares_k, dv, native=native):
-        if native:  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
-            ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
-            return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
-                                        ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
-                                        bf16_query_scale(q, k_cache, 1.0))
+    if choice.form == "kernel":  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
+        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
+        return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
+                                    ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
+                                    bf16_query_scale(q, k_cache, 1.0), path=choice.path)
+    if choice.form == "traced":
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
                                                     v_scale)
         out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
         return out.reshape(bs, hq, dv).to(q.dtype)
-    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
-    if cpu_flash is None:
-        cpu_flash = flash_fits
-    if cpu_flash:
-        if not flash_fits:
-            raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; "
-                             f"got device {q.device.type}, Dqk {dqk}, Dv {dv}, logit_cap {logit_cap}")
+    if choice.form == "flash":
         return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale, sinks_by_kv_head(sinks, hkv, hq))
     nblk, block_size = index.slots.shape
     flat = index.slots.reshape(-1)

@@ -57,21 +57,6 @@ def fused_block_partials(qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return m, p.sum(-1), o
 
 
-def choose_fused(fused: bool | None, cpu_flash: bool | None, q: torch.Tensor, v_shares_k: bool, dv: int,
-                 rows_fit: bool = True, native: bool = False) -> bool:
-    """Whether a decode-like call (decode, verify's prefix) takes this form: ``fused`` as given, or None picking it
-    on a CPU within ``rows_fit`` (the caller's own limit) when ``native`` (the C++ kernel serves the call:
-    ``native_fits``; MLA's latent cache too, K and V read from the same rows, 576/512 wide), or while compiling
-    with one head size (q's last dim == ``dv``) and V a cache of its own (inductor's loops read MLA's latent twice,
-    measured no faster than the matmul form). ``fused=True`` with ``cpu_flash=True`` is a ValueError."""
-    if fused is None:
-        traced = torch.compiler.is_compiling() and not v_shares_k and q.shape[-1] == dv
-        fused = cpu_flash is None and rows_fit and q.device.type == "cpu" and (native or traced)
-    if fused and cpu_flash:
-        raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
-    return fused
-
-
 def used_block_partials(q: torch.Tensor, index, num_kv_heads: int, scale: float, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, logit_cap: float | None, k_scale: float | None,
                         v_scale: float | None

@@ -11,15 +11,15 @@ request: the queries are grouped ``[Hkv, k * group, D]`` against one K block (GQ
 rows). The ``k`` draft keys form one extra tiny "draft block" per request, masked by the chain/tree, and the
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
-Three forms, as decode. On CPU with at most ``FUSED_MAX_ROWS`` query rows per KV head (k = 2 at llama's 4 query
-heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile or wide path serves), the
-used prefix blocks read K/V in place (``decode_fused``, as the CPU decode): by the C++ kernel (``native_decode``:
-the draft block too, both merged in the one call; MLA's latent included) eagerly and compiled, or by the traced
-form under ``torch.compile`` (one head size, V a cache of its own, a float32 or float8 cache: on bf16/fp16 its
-loops lost to the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads
-each request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are
-(no per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA,
-and without the kernel MLA's 576/512 and soft-capped models) a matmul form over the blocks. Outside the kernel the
+The forms are decode's, chosen by ``forms.choose_form``. On CPU with at most ``FUSED_MAX_ROWS`` query rows per
+KV head (k = 2 at llama's 4 query heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile
+or wide path serves), the used prefix blocks read K/V in place: by the C++ kernel (``native_decode``: the draft
+block too, both merged in the one call; MLA's latent included) eagerly and compiled, or by the traced form under
+``torch.compile`` (one head size, V a cache of its own, a float32 or float8 cache: on bf16/fp16 its loops lost to
+the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each
+request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
+per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA, and
+without the kernel MLA's 576/512 and soft-capped models) a matmul form over the blocks. Outside the kernel the
 draft block is a small matmul (``k`` keys).
 Everything after ``plan_verify`` (``verify_plan``: the host's checks and padding) is tensor code with static shapes
 per (batch capacity, ``k``, block capacity): no ``.item()``; the CPU forms' ops read their indices on the host (CPU
@@ -38,38 +38,21 @@ import torch
 
 from . import validate
 from .api import _scale, v_is_prefix_of_k
-from .block_flash import supports_block_flash
 from .decode import DecodeIndex, build_decode_index, gather_unit, merge_blocks, sinks_by_kv_head
-from .decode_fused import choose_fused, gather_heads_float, used_block_partials
-from .kv_dtype import HALF_DTYPES, dequantize, scale_pair
+from .decode_fused import gather_heads_float, used_block_partials
+from .forms import FUSED_MAX_ROWS, NATIVE_MAX_ROWS, choose_form, explain
+from .kv_dtype import dequantize, scale_pair
 from .metadata import DecodeInputs
-from .native_decode import (
-    bf16_query_scale,
-    native_decode_blocks,
-    native_fits,
-    tiles_serve,
-    wide_serves,
-)
+from .native_decode import bf16_query_scale, native_decode_blocks
 from .verify_flash import prefix_flash
 from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
 from .verify_plan import VerifyInputs, VerifyMetadata, plan_verify, verify_block_size, window_start
 
-__all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata", "build_verify_index", "chain_mask",
-           "draft_mask_from_custom", "full_mask_numel", "plan_verify", "verify_attention", "verify_block_size",
-           "verify_blocks", "window_start"]
+__all__ = ["FUSED_MAX_ROWS", "NATIVE_MAX_ROWS", "VerifyIndex", "VerifyInputs", "VerifyMetadata",
+           "build_verify_index", "chain_mask", "draft_mask_from_custom", "full_mask_numel", "plan_verify",
+           "verify_attention", "verify_block_size", "verify_blocks", "window_start"]
 
 _LOWEST = torch.finfo(torch.float32).min
-#: query rows per KV head (``k * Hq // Hkv``) up to which the compiled CPU verify reads its prefix in place
-#: (``fused``); above it the flash kernel's GEMMs win (the in-place forms score row by row: their work grows with
-#: the rows). A bf16/fp16 cache takes the in-place form only through the C++ kernel (``native_decode``): inductor's
-#: loops run no faster on half precision than on float32, and the flash op's half-precision kernel beat them.
-FUSED_MAX_ROWS = 8
-#: the same limit for the C++ kernel's vector path, which scores the rows with less work per key than inductor's
-#: loops (bs 32, float32, 16 rows per KV head: 35-39 ms against the flash op's 56-84; at 32 rows within 10% of it
-#: either way). Where its tile path serves the rows (``native_decode.tiles_serve``: a bf16 query on an AMX CPU) or
-#: its wide path (``native_decode.wide_serves``: a multiple of 16 rows) there is no limit: the tiles' time grows
-#: little with the rows, the wide path's at the FMA rate (at 32 rows half the flash op's).
-NATIVE_MAX_ROWS = 16
 
 
 @dataclass
@@ -155,32 +138,26 @@ def verify_blocks(
         validate.check_positive_number("scale", scale)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
-    native = native is not False and native_fits(q, k_cache, v_cache)
     rows = k * hq // hkv
-    rows_fit = ((rows <= (NATIVE_MAX_ROWS if native else FUSED_MAX_ROWS)
-                 or native and (tiles_serve(q, k_cache, v_cache, rows) or wide_serves(rows)))
-                and (k_cache.dtype not in HALF_DTYPES or native))
-    fused = choose_fused(fused, cpu_flash, q, v_shares_k, dv, rows_fit=rows_fit, native=native)
-    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
-    cpu_flash = flash_fits and not fused if cpu_flash is None else cpu_flash
-    if cpu_flash and not flash_fits:
-        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None")
+    choice = choose_form("verify", q, k_cache, v_cache, rows_per_kv_head=rows, v_shares_k=v_shares_k,
+                         logit_cap=logit_cap, fused=fused, cpu_flash=cpu_flash, native=native)
+    explain("verify_blocks", choice, q, k_cache, v_cache, rows)
     # a request's k queries share its KV head's blocks: grouped [bs, Hkv, k * group, D], row i * group + g draft
     # token i's head g, whose sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
-    if fused and native:  # the prefix blocks and the draft block, merged, in one call of the kernel
+    if choice.form == "kernel":  # the prefix blocks and the draft block, merged, in one call of the kernel
         p = index.prefix
         ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
         return native_decode_blocks(q, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache, ks * scale, vs,
                                     logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
-                                    index.draft_slots, index.draft_mask, k)
+                                    index.draft_slots, index.draft_mask, k, path=choice.path)
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
-    if cpu_flash:
+    if choice.form == "flash":
         o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
         out = _merge_two(o, lse, do, dm, dl, row_sinks)
     else:
-        if fused:
+        if choice.form == "traced":
             block_req, m, lsum, o = used_block_partials(qg.reshape(bs, -1, qg.shape[3]), index.prefix, hkv, scale,
                                                         k_cache, v_cache, logit_cap, k_scale, v_scale)
         else:

@@ -155,7 +155,8 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
         assert torch.equal(out[torch.float16], out[torch.float32].half())
         outs.append(out[torch.float32])
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-    assert lib.ca_tiles_available() == 0  # no AMX in these instruction sets: the vector path serves every call
+    # no AMX in these instruction sets (nor AVX-512 or AVX512-BF16): the tile and bf16 pair paths are not built
+    assert lib.ca_isa() & (native_decode.ISA_AVX512 | native_decode.ISA_AVX512_BF16 | native_decode.ISA_AMX) == 0
 
 
 def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
@@ -191,6 +192,7 @@ def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
         monkeypatch.setenv("CXX", "no-such-compiler-here")
         monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
         native_decode.library.cache_clear()
+        native_decode.library_for.cache_clear()
         with pytest.warns(RuntimeWarning, match="no-such-compiler-here"):
             assert native_decode.library() is None
         out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
@@ -198,6 +200,7 @@ def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         native_decode.library.cache_clear()
+        native_decode.library_for.cache_clear()
     assert native_decode.library() is not None
 
 

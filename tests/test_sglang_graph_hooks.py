@@ -123,12 +123,12 @@ def test_graph_capacity(monkeypatch):
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "as_cpu_graph_runner"])
 @pytest.mark.parametrize("geom", ["gqa", "mla_absorbed"])
-def test_forward_decode_compiles_as_one_graph_without_recompiles(geom, fullgraph, monkeypatch):
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False)  # dynamo's default, as that runner starts
+def test_forward_decode_compiles_as_one_graph_without_recompiles(geom, fullgraph):
     """What SGLang's graph runners compile: forward_decode (pool write included) after the in-graph metadata, in one
     graph; a second batch of the same size must not recompile. CPUGraphRunner compiles without ``fullgraph`` (a
     break there does not fail, it splits the step and runs its pieces eagerly), from dynamo's default settings:
     its ``init_cpu_graph_state`` hook must set what the compiled decode's data-dependent block count needs."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", False)
     g = H.GEOMETRIES[geom]
     mr = H.make_model_runner(g, seed=13)
     backend = CompiledAttnBackend(mr)
@@ -158,13 +158,13 @@ def test_forward_decode_compiles_as_one_graph_without_recompiles(geom, fullgraph
     assert len(compiles) == 1
 
 
-def test_cpu_graph_runner_builds_the_index_inside_its_compiled_forward(monkeypatch):
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False)
+def test_cpu_graph_runner_builds_the_index_inside_its_compiled_forward():
     """CPUGraphRunner calls ``init_forward_metadata`` eagerly before each compiled forward: the backend then only
     fills the static buffers, and the first attention layer builds the block index inside the compiled code (no
     ~25 eager small ops per step); the next layer reads it. Compiled as that runner compiles (no ``fullgraph``):
     two graphs (the layer that builds it, the layer that reads it), none more for a second batch of the same size,
     outputs equal to the eager backend's."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", False)
     g = H.GEOMETRIES["gqa"]
     mr = H.make_model_runner(g, seed=14, num_layers=2)
     backend = CompiledAttnBackend(mr)

@@ -5,14 +5,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import DECODE_FORMS, in_place_op, spy_calls
+from reference import DECODE_FORMS, spy_calls
 from torch._dynamo.utils import counters
 
 import compiled_attn.verify as verify
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
-from compiled_attn.native_decode import native_available, wide_serves
+from compiled_attn.forms import choose_form
+from compiled_attn.native_decode import native_available
 from compiled_attn.verify import (
     FUSED_MAX_ROWS,
     NATIVE_MAX_ROWS,
@@ -254,59 +255,66 @@ def test_compiles_once_per_bucket(form):
         q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25))
 
 
+def _compiled_verify_ops(b, prefix, k, masks, scale):
+    """The compiled verify's output and the ops its graph calls (``fullgraph``, dynamo's eager backend)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    step = torch.compile(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), scale), backend=counter,
+                         fullgraph=True)
+    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
+    return out, {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def _assert_graph_runs(choice, targets):
+    """The compiled graph calls the op of ``choice``'s form and not the others'."""
+    ops = torch.ops.compiled_attn
+    assert (ops.native_decode_blocks.default in targets) == (choice.form == "kernel"), choice
+    assert (ops.index_columns.default in targets) == (choice.form == "traced"), choice
+    assert (ops.verify_flash.default in targets) == (choice.form == "flash"), choice
+
+
 @pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (9, torch.float32), (16, torch.float32),
                                       (4, torch.bfloat16)])
 def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
-    """Under ``torch.compile`` on CPU the default prefix form reads a float32 cache in place (the C++ kernel's
-    merged op, or ``index_columns`` without it; no flash op) up to ``NATIVE_MAX_ROWS`` query rows per KV head
-    through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), at a multiple of 16 rows
-    through the kernel's wide path (k = 16: 32 rows), and the flash op otherwise (k = 9: 18 rows; head size 16: no
-    tile path) or over a bf16 cache without the kernel. All match the float64 reference."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
+    """Under ``torch.compile`` on CPU the graph runs what ``forms.choose_form`` names for it: a float32 cache read in
+    place (the C++ kernel's merged op, or the traced form's ``index_columns`` without it) up to ``NATIVE_MAX_ROWS``
+    query rows per KV head through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), at a
+    multiple of 16 rows through the kernel's wide (or tile) path (k = 16: 32 rows), and the flash op otherwise
+    (k = 9: 18 rows, head size 16) or over a bf16 cache without the kernel. All match the float64 reference."""
     b, prefix = _case([5, 0, 130], k, dtype=dtype)
     masks = random_trees(3, k, torch.Generator().manual_seed(8))
-    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
-    step = torch.compile(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.25), backend=counter,
-                         fullgraph=True)
-    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
-    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
-    limit = NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS
-    rows_fit = k * 2 <= limit or native_available() and wide_serves(k * 2)
-    fused = rows_fit and (dtype == torch.float32 or native_available())
-    assert (in_place_op() in targets) == fused
-    assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not fused)
+    out, targets = _compiled_verify_ops(b, prefix, k, masks, 0.25)
+    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=k * 2, compiling=True)
+    _assert_graph_runs(choice, targets)
+    rows_fit = k * 2 <= (NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS)
+    if native_available():  # the rule, whichever path this CPU's build takes: 32 rows take the wide or tile path
+        assert (choice.form == "kernel") == (rows_fit or k == 16)
+        assert choice.path in (("tile", "wide") if k == 16 else ("vector", "vector_bf16", "wide", "tile", ""))
+    else:
+        assert choice.form == ("traced" if rows_fit and dtype == torch.float32 else "flash")
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_bf16_verify_with_many_rows_reads_its_prefix_in_place_where_tiles_serve(tree):
+def test_bf16_verify_with_many_rows_runs_the_chosen_form(tree):
     """A bf16 query and cache, head size 64, k = 4 at 4 query heads per KV head: 16 query rows per KV head, above
-    ``FUSED_MAX_ROWS``. Where the kernel's tile path serves them (``tiles_serve``: an AMX CPU) the compiled verify
-    reads its prefix in place through the kernel's merged op (``native_decode_blocks``), else through the flash
-    op; eagerly the same choice. Both match the float64 reference at bf16 tolerance."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from compiled_attn.native_decode import tiles_serve
-
+    ``FUSED_MAX_ROWS``. With the kernel built, 16 rows are a multiple of 16: the kernel serves them (its tile path
+    with AMX, its wide path without), compiled and eagerly; without it the flash op. The compiled graph calls the
+    op of the form ``choose_form`` names, and both match the float64 reference at bf16 tolerance."""
     k = 4
     b, prefix = _case([5, 0, 130, 300], k, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
     masks = random_trees(4, k, torch.Generator().manual_seed(3)) if tree else chain_mask(4, k)
-    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k,
-                       masks.reshape(-1) if tree else None)
-    tiles = native_available() and tiles_serve(b.q, b.k_cache, b.v_cache, k * 4)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    step = torch.compile(lambda *a: verify_blocks(*a[:3], build_verify_index(a[3], a[4]), 0.125), backend=counter,
-                         fullgraph=True)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
-    out = step(b.q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs)
-    targets = {n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert (torch.ops.compiled_attn.native_decode_blocks.default in targets) == tiles
-    assert (torch.ops.compiled_attn.verify_flash.default in targets) == (not tiles)
+    out, targets = _compiled_verify_ops(b, prefix, k, masks, 0.125)
+    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=16, compiling=True)
+    _assert_graph_runs(choice, targets)
+    assert choice.form == ("kernel" if native_available() else "flash")
+    assert choice.path in (("tile", "wide") if native_available() else ("",))
+    meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
     eager = verify_blocks(b.q, b.k_cache, b.v_cache, build_verify_index(b.req_to_token, meta.inputs), 0.125)
     for o in (out, eager):
         assert (o.double() - ref).abs().max() < 3e-2

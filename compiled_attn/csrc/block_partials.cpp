@@ -35,12 +35,31 @@ static void gather_queries(const typename L::T* q, int64_t tokens, int64_t rows,
     row_to_float<L>(q + token_major_offset(i / R, i % R, tokens, hkv, G, D), D, 1.0f, qs + i * D);
 }
 
+// Whether this build runs pr.path for pr's shapes (the conditions compiled_attn/forms.py's kernel_path checks
+// before it names a path; the kernel refuses any other, never falling back to another path silently).
+template <class L, int DV>
+static bool path_fits(const Problem& pr) {
+  switch (pr.path) {
+    case kVector: return true;
+    case kVectorBf16:
+#if defined(__AVX512BF16__)  // DV: a compiled-in head size (D 64, 128 or 256)
+      return Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && DV && DV % 2 == 0 && pr.G % 4 == 0;
+#else
+      return false;
+#endif
+    case kWide: return wide_fit(pr);
+    case kTile: return tiles_fit<L>(pr);
+    default: return false;
+  }
+}
+
 constexpr int64_t kUnitsPerThread = 2;  // work units a thread at least, where heads can be split (run_blocks)
 
-// Runs every block (the merged form: the used ones, then merges them). Returns 1 when a valid position's slot lay
-// outside the cache (that position left out, nothing read there).
+// Runs every block (the merged form: the used ones, then merges them). Returns 0; 3 when a valid position's slot
+// lay outside the cache (that position left out, nothing read there); 4 when pr.path does not fit (nothing run).
 template <class L, int DV>
 static int run_blocks(const Problem& problem) {
+  if (!path_fits<L, DV>(problem)) return 4;
   Problem pr = problem;
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
@@ -103,7 +122,7 @@ static int run_blocks(const Problem& problem) {
   std::vector<int64_t> by_size(pr.out ? items : 0);
   for (int64_t i = 0; i < (int64_t)by_size.size(); ++i) by_size[i] = i;
   std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) { return item_count[a] > item_count[b]; });
-  const bool tiles = tiles_fit<L>(pr), wide = !tiles && wide_fit(pr);
+  const bool tiles = pr.path == kTile, wide = pr.path == kWide;
   // bf16 queries not yet converted: the tile path packs them as they are, the other paths read float32
   Scratch<float> qs;
   if (!pr.qs && !tiles) {
@@ -112,11 +131,7 @@ static int run_blocks(const Problem& problem) {
     pr.qs = qs.data();
   }
   // a bf16 query's scores by bf16 pair dot products where the vector path serves it
-#if defined(__AVX512BF16__)
-  const bool pairs = !tiles && !wide && Bf16Exact<L>::ok && pr.q_bf16_scale > 0.0f && DV && DV % 2 == 0 && G % 4 == 0;
-#else
-  const bool pairs = false;
-#endif
+  const bool pairs = pr.path == kVectorBf16;
   // the tile path's queries, packed once per call for every row a block reads
   int64_t nrows = 0;
   for (int64_t j = 0; j < used && tiles; ++j) nrows = std::max(nrows, pr.block_req[block_at(j)] + 1);
@@ -273,7 +288,7 @@ static int run_blocks(const Problem& problem) {
       }
     }
   }
-  return outside.load();
+  return outside.load() ? 3 : 0;
 }
 
 template <class L>
@@ -292,9 +307,10 @@ static int run_head_size(const Problem& pr) {
 // (sinks may be nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when q is a bfloat16 query times this
 // scale (the tile path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out,
 // nullptr or [rows, nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd]
-// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h). Returns 0; 1 when a head size is
-// not a multiple of 16, 2 for an unknown kind or query layout (the caller checks these before calling); 3 when a
-// valid position's (or a seen draft key's) slot lay outside the caches (left out of the result, never read).
+// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h); path: the KernelPath to run.
+// Returns 0; 1 when a head size is not a multiple of 16, 2 for an unknown kind or query layout (the caller checks
+// these before calling); 3 when a valid position's (or a seen draft key's) slot lay outside the caches (left out of
+// the result, never read); 4 when this build cannot run path for these shapes (nothing run).
 extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
@@ -302,7 +318,7 @@ extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_r
                                  float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
                                  void* out, int64_t num_slots, float q_bf16_scale,
                                  const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
-                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16) {
+                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16, int path) {
   if (D % 16 || Dv % 16) return 1;
   if (q_kind < 0 || q_kind > 2 || q_tokens < 1 || G % q_tokens || ((q_kind || q_tokens > 1) && !out)) return 2;
   // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
@@ -319,17 +335,34 @@ extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_r
              v_head, n, hkv, G, D, Dv, B, unit, num_slots, k_scale * f, v_scale * f, cap, m, l, o, threads, rows,
              sinks, out, q_tokens, out_bf16 != 0, q_bf16_scale, draft_slots, draft_mask, nd, tokens,
              bf16_as_is ? static_cast<const uint16_t*>(q) : nullptr};
-  int outside = 0;
+  pr.path = path;
   switch (kind) {
-    case 0: outside = run_head_size<F32>(pr); break;
-    case 1: outside = run_head_size<BF16>(pr); break;
-    case 2: outside = run_head_size<F16>(pr); break;
-    case 3: outside = run_head_size<E4M3>(pr); break;
-    case 4: outside = run_head_size<E5M2>(pr); break;
+    case 0: return run_head_size<F32>(pr);
+    case 1: return run_head_size<BF16>(pr);
+    case 2: return run_head_size<F16>(pr);
+    case 3: return run_head_size<E4M3>(pr);
+    case 4: return run_head_size<E5M2>(pr);
     default: return 2;
   }
-  return outside ? 3 : 0;
 }
 
-// 1 when this build has the tile path and the OS lets this process use the tile registers (tile_blocks.h).
-extern "C" int ca_tiles_available() { return tiles_permitted() ? 1 : 0; }
+// What this build runs, as bits: 1 AVX2 (with FMA and F16C), 2 AVX-512 (F, BW, VL), 4 AVX512-BF16 (the vector
+// path's bf16 pair products), 8 AMX bf16 tiles compiled in, 16 the tile path usable here (compiled in and the OS
+// lets this process use the tile registers: tile_blocks.h).
+extern "C" int ca_isa() {
+  int bits = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  bits |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  bits |= 2;
+#endif
+#if defined(__AVX512BF16__)
+  bits |= 4;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  bits |= 8;
+#endif
+  if (tiles_permitted()) bits |= 16;
+  return bits;
+}

@@ -270,7 +270,14 @@ struct Problem {
   // r = 0, width 1): the output's and the bf16 queries' offsets, looked up (their divisions per query row had cost
   // as much as the merge's arithmetic)
   const int64_t* token_rows = nullptr;
+  // which path computes the blocks (KernelPath): chosen by the caller (compiled_attn/forms.py), refused by the
+  // kernel where this build or the call's shapes cannot run it (path_fits)
+  int path = 0;
 };
+
+// The kernel's paths: the vector path (float32 products; bf16 pair products with AVX512-BF16), the wide path
+// (float32 outer products, 16 query rows a vector: wide_blocks.h) and the tile path (AMX bf16: tile_blocks.h).
+enum KernelPath : int { kVector = 0, kVectorBf16 = 1, kWide = 2, kTile = 3 };
 
 // Where query row i (h * G + t * (G / tokens) + g) of row r starts in token-major rows [rows * tokens, hkv * G /
 // tokens, width] (the queries as the caller holds them, the merged form's output): token r * tokens + t, head

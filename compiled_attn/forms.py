@@ -1,0 +1,145 @@
+"""Which code computes a decode-like call (a decode step, verify's prefix), and why: ``choose_form``.
+
+The forms, by what computes each block of keys:
+- ``kernel``: the C++ kernel (``native_decode``), reading K/V in place on one of its paths (``native_decode.PATHS``:
+  ``tile`` AMX bf16 products, ``wide`` float32 outer products, ``vector_bf16`` AVX512-BF16 pair products,
+  ``vector`` float32 products). The CPU's form wherever the kernel is built and serves the shapes.
+- ``traced``: inductor's loops over the same computation (``decode_fused``), only while compiling for a CPU without
+  the kernel (one head size, V a cache of its own).
+- ``flash``: ATen's CPU flash kernel over gathered runs of keys (``decode_flash``, ``verify_flash``): the CPU's
+  eager form without the kernel (one head size, no soft-cap).
+- ``matmul``: gathered blocks and batched matmuls (CUDA and other devices; CPU calls no other form serves).
+
+The dispatchers (``decode.decode_blocks``, ``verify.verify_blocks``) run what ``choose_form`` returns, and tests ask
+it what a call will run instead of predicting from CPU flags. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct
+choice once per process (at trace time for a compiled step): the site, the shapes and dtypes, the form, the path
+and the reason.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .block_flash import supports_block_flash
+from .kv_dtype import HALF_DTYPES
+from .native_decode import bf16_query_scale, kernel_path, native_refusal
+
+__all__ = ["EXPLAIN_ENV", "FUSED_MAX_ROWS", "FORMS", "NATIVE_MAX_ROWS", "FormChoice", "choose_form"]
+
+EXPLAIN_ENV = "COMPILED_ATTN_EXPLAIN"
+FORMS = ("kernel", "traced", "flash", "matmul")
+#: verify's query rows per KV head (``k * Hq // Hkv``) up to which the traced form reads the prefix in place: above
+#: it the flash kernel's GEMMs win (the traced loops score row by row, their work grows with the rows), and on a
+#: bf16/fp16 cache the flash op's half-precision kernel beat them at any row count
+FUSED_MAX_ROWS = 8
+#: the same limit for the kernel's vector paths, which score the rows with less work per key (bs 32, float32, 16
+#: rows: 35-39 ms against the flash op's 56-84); the tile and wide paths have none (their time grows little with
+#: the rows, or at the FMA rate: at 32 rows half the flash op's)
+NATIVE_MAX_ROWS = 16
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """form: one of ``FORMS``; path: the kernel's path (``native_decode.PATHS``) with form ``kernel``, else "";
+    reason: why, in one line."""
+
+    form: str
+    path: str
+    reason: str
+
+
+def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                rows_per_kv_head: int, v_shares_k: bool = False, logit_cap: float | None = None,
+                fused: bool | None = None, cpu_flash: bool | None = None, native: bool | None = None,
+                compiling: bool | None = None) -> FormChoice:
+    """The form (and kernel path) that computes a decode-like call, and why.
+
+    site: "decode" or "verify" (verify limits the vector forms' rows: ``FUSED_MAX_ROWS``, ``NATIVE_MAX_ROWS``);
+    q: [rows, Hq, Dqk]; caches [num_slots, Hkv, D]; rows_per_kv_head: query rows a KV head's keys meet (decode:
+    Hq // Hkv; verify: k times that); v_shares_k: V a view of K's rows (MLA's latent); the overrides as the
+    dispatchers take them: fused (True: an in-place form, the kernel where it fits, else traced; False: not),
+    cpu_flash (True: the flash form), native (False: not the kernel). None picks. compiling: whether the call is
+    being traced by ``torch.compile`` (None: ``torch.compiler.is_compiling()``; a test asks what a compiled call runs).
+    ValueError where the overrides name two forms or a form that cannot serve the call."""
+    if fused and cpu_flash:
+        raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
+    refusal = "native=False" if native is False else native_refusal(q, k_cache, v_cache)
+    # Python ints: head counts and sizes are a model's constants (under torch.compile this specializes them, as the
+    # choice's branches on them would), and the reason's text is then a constant too
+    rows, d, dv = int(rows_per_kv_head), int(q.shape[-1]), int(v_cache.shape[-1])
+    q_bf16 = bf16_query_scale(q, k_cache, 1.0) > 0
+    path, path_reason = ("", "") if refusal else kernel_path(k_cache.dtype, q_bf16, rows, d, dv)
+    rows_reason = ""
+    if site == "verify":
+        if not refusal and rows > NATIVE_MAX_ROWS and path not in ("tile", "wide"):
+            rows_reason = f"{rows} rows per KV head on the kernel's {path} path (over {NATIVE_MAX_ROWS})"
+        elif refusal and rows > FUSED_MAX_ROWS:
+            rows_reason = f"{rows} rows per KV head for the traced form (over {FUSED_MAX_ROWS})"
+        elif refusal and k_cache.dtype in HALF_DTYPES:
+            rows_reason = f"a {k_cache.dtype} cache for the traced form (the flash op's half precision is faster)"
+    compiling = torch.compiler.is_compiling() if compiling is None else compiling
+    traced_fits = compiling and not v_shares_k and d == dv
+    if fused is None and cpu_flash is None and not rows_reason and q.device.type == "cpu":
+        if not refusal:
+            return FormChoice("kernel", path, f"the C++ kernel serves it: {path_reason}")
+        if traced_fits:
+            return FormChoice("traced", "", f"compiling without the C++ kernel ({refusal}): inductor's loops")
+    if fused:
+        if not refusal:
+            return FormChoice("kernel", path, f"fused=True: the C++ kernel, {path_reason}")
+        return FormChoice("traced", "", f"fused=True without the C++ kernel ({refusal}): the traced form")
+    why_not = (rows_reason or refusal) if q.device.type == "cpu" else f"a {q.device.type} device"
+    flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
+    if cpu_flash and not flash_fits:
+        raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; got device "
+                         f"{q.device.type}, Dqk {d}, Dv {dv}, logit_cap {logit_cap}")
+    if cpu_flash or cpu_flash is None and flash_fits:
+        given = "cpu_flash=True" if cpu_flash else f"no in-place form ({why_not})"
+        return FormChoice("flash", "", f"{given}: ATen's CPU flash kernel")
+    given = "cpu_flash=False" if cpu_flash is False and flash_fits else f"no in-place form ({why_not})"
+    flash_why = "" if flash_fits else (", no flash form (soft-cap, head sizes differ or not a CPU)"
+                                      if q.device.type == "cpu" else "")
+    return FormChoice("matmul", "", f"{given}{flash_why}: gathered blocks and batched matmuls")
+
+
+def explain(site: str, choice: FormChoice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            rows_per_kv_head: int) -> None:
+    """Log ``choice`` once per process where ``COMPILED_ATTN_EXPLAIN=1`` (while compiling: once per trace, at
+    trace time). The batch size is left out of the line: one choice serves every batch of a shape."""
+    if not _explaining():
+        return
+    mode = "compiled" if torch.compiler.is_compiling() else "eager"
+    # int(): head counts and sizes are a model's constants (specializing them costs no recompile)
+    heads = f"q [*, {int(q.shape[1])}, {int(q.shape[2])}] {str(q.dtype).removeprefix('torch.')}"
+    kv = (f"kv [*, {int(k_cache.shape[1])}, {int(k_cache.shape[2])}/{int(v_cache.shape[2])}] "
+          f"{str(k_cache.dtype).removeprefix('torch.')}")
+    path = f" path {choice.path}" if choice.path else ""
+    _log_once(f"compiled_attn: {site} ({mode}, {q.device.type}) {heads}, {kv}, {int(rows_per_kv_head)} rows per KV "
+              f"head -> form {choice.form}{path}: {choice.reason}")
+
+
+@torch.compiler.assume_constant_result
+def _explaining() -> bool:
+    """``COMPILED_ATTN_EXPLAIN`` is set (a constant to ``torch.compile``: read once per trace)."""
+    return os.environ.get(EXPLAIN_ENV, "0") not in ("", "0")
+
+
+@torch.compiler.assume_constant_result
+def _log_once(line: str) -> bool:
+    """Log ``line`` the first time this process sees it (run at trace time under ``torch.compile``)."""
+    return _log_line(line)
+
+
+@functools.cache
+def _log_line(line: str) -> bool:
+    if not _log.handlers and not logging.getLogger().handlers:  # nobody configured logging: stderr
+        _log.addHandler(logging.StreamHandler())
+        _log.setLevel(logging.INFO)
+    _log.info(line)
+    return True
