@@ -112,9 +112,9 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
         return real(q, k, *args, **kwargs)
 
     real_native = decode.native_decode_blocks
-    def counting_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest):
+    def counting_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest, **kwargs):
         calls.append(int(valid[block_req < rows].sum()) // rows)  # keys per request (a warm-up's rows alike)
-        return real_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest)
+        return real_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest, **kwargs)
 
     monkeypatch.setattr(block_flash, "_flash_cpu", counting)
     monkeypatch.setattr(decode_flash, "_flash_cpu", counting)  # its padded small-batch path calls it directly

@@ -56,3 +56,16 @@ def test_package_exports_resolve():
 
     for name in compiled_attn.__all__:
         assert getattr(compiled_attn, name) is not None
+
+
+def test_tests_change_compiler_config_through_its_own_patch():
+    """A test changes dynamo's or inductor's config with ``torch._dynamo.config.patch`` /
+    ``torch._inductor.config.patch``, never ``monkeypatch.setattr`` on the config module: pytest 9 undoes that with
+    ``delattr`` where the key is not in the module's ``__dict__``, deleting the setting for the rest of the run."""
+    bad = []
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                    and node.args and ast.unparse(node.args[0]).endswith(("_dynamo.config", "_inductor.config"))):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)

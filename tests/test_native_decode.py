@@ -15,9 +15,10 @@ from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.decode_fused import scaled_queries
+from compiled_attn.forms import choose_form
 from compiled_attn.native_decode import native_available, native_block_partials, native_fits
 from compiled_attn.plan import plan_decode
-from tests.reference import reference_attention, spy_calls
+from tests.reference import reference_attention
 from tests.test_kv_formats import poison_unread
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
@@ -165,15 +166,10 @@ def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
     b, index = _batch([5, 70, 130], hq=8, hkv=2, d=32, page_size=1, block_size=16)
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.3)
-    import compiled_attn.decode as decode
-
-    with pytest.MonkeyPatch.context() as mp:
-        calls = spy_calls(mp, decode, "native_decode_blocks")
-        out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
-        assert calls
-        calls.clear()
-        off = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, native=False)
-        assert not calls
+    assert choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4).form == "kernel"
+    assert choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4, native=False).form == "flash"
+    out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
+    off = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, native=False)
     for o in (out, off):
         torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -253,7 +249,8 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
 
 
 tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
-                                reason="no AMX tile path on this CPU (or this OS refuses the tile registers)")
+                                reason="no AMX tile path in this kernel build (no AMX on the CPU, COMPILED_ATTN_ISA "
+                                       "below amx, or the OS refuses the tile registers)")
 
 
 @tiles_only

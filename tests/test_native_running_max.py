@@ -14,7 +14,8 @@ from compiled_attn.native_decode import native_available, native_decode_blocks
 from compiled_attn.plan import plan_decode
 
 pytestmark = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
-                                reason="no AMX tile path on this CPU (or this OS refuses the tile registers)")
+                                reason="no AMX tile path in this kernel build (no AMX on the CPU, COMPILED_ATTN_ISA "
+                                       "below amx, or the OS refuses the tile registers)")
 
 # request r: (length, {position: the score there, in the exp's units})
 SPIKES = [

@@ -1,0 +1,1 @@
+"""GPU (Triton) attention kernels; each module is imported on demand and registers its ``torch.library`` ops."""
