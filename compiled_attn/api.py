@@ -27,7 +27,7 @@ def _scale(scale, dqk: int) -> float:
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *, scale=None,
                      sliding_window=None, logit_cap=None, encoder_lens=None, is_cross_attn=False, page_size=1,
-                     k_scale=None, v_scale=None, sinks=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, sinks=None, form=None) -> torch.Tensor:
     """Attention of one new token per request over its cached keys.
 
     q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache,
@@ -35,8 +35,8 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     Request i attends to positions ``[0, seq_lens[i])`` (see ``plan_decode`` for windows, encoders and
     ``page_size``). The caches may be float8 (``k_scale``/``v_scale``: the per-layer dequantisation scales,
     None meaning 1) or another dtype than q (``kv_dtype``). sinks: optional [Hq] attention-sink logits (gpt-oss),
-    each joining its head's softmax denominator.
-    Returns ``[bs, Hq, Dv]`` in q.dtype.
+    each joining its head's softmax denominator. form: one of ``forms.FORMS`` to run that form (None: chosen,
+    ``forms.choose_form``). Returns ``[bs, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
     validate.check_scales(k_scale, v_scale)
@@ -48,7 +48,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         return q.new_zeros(0, q.shape[1], v_cache.shape[2])
     return decode_blocks(q, k_cache, v_cache, build_decode_index(req_to_token, meta.inputs, meta.page_size),
                          scale, logit_cap, v_shares_k=v_is_prefix_of_k(k_cache, v_cache), k_scale=k_scale,
-                         v_scale=v_scale, sinks=sinks)
+                         v_scale=v_scale, sinks=sinks, form=form)
 
 
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,

@@ -36,7 +36,8 @@ from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
 from .decode_fused import grouped_queries, used_block_partials
 from .forms import choose_form, explain
 from .inplace_flash import index_in_place
-from .kv_dtype import compute_dtype, dequantize, scale_pair
+from .kernels.triton_form import triton_decode_blocks
+from .kv_dtype import compute_dtype, dequantize, gather_rows, scale_pair
 from .merge import apply_sinks, merge_partials
 from .metadata import DecodeInputs
 from .native_decode import bf16_query_scale, native_decode_blocks
@@ -57,6 +58,8 @@ class DecodeIndex:
                (``_single_request_index``); the CPU eager decode reads them in one gather
     key_runs:  the eager CPU forms' split of these keys into runs of slots (``inplace_flash.index_in_place``):
                empty until a layer first asks, then ``(KeyRuns or None,)``, kept for the step's other layers
+    req_to_token, inputs: what the index was built from: the Triton kernel reads each request's range from them
+               instead of the block table (None in an index built by hand)
     """
 
     block_req: torch.Tensor
@@ -66,6 +69,8 @@ class DecodeIndex:
     units: torch.Tensor | None = None
     single: torch.Tensor | None = None
     key_runs: tuple = field(default=(), repr=False, compare=False)
+    req_to_token: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    inputs: DecodeInputs | None = field(default=None, repr=False, compare=False)
 
     @property
     def runs(self) -> torch.Tensor:
@@ -154,7 +159,8 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) 
     # a run's first position is valid, or is its block's start (same run as the block's first valid position), so
     # its slot names the run; runs wholly past the end name the block's first run (read, then zeroed)
     units = slots[:, ::unit] // unit if unit > 1 else None
-    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units)
+    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units,
+                       req_to_token=req_to_token, inputs=inputs)
 
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
@@ -171,7 +177,9 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     raw = req_to_token[row, start:start + nblk * block_size].to(torch.int64)
     # the request's keys in order (a view; hi <= the table's width): only when no block was cut by the capacity
     single = raw[lo - start:hi - start] if nblk * block_size >= hi - start else None
-    return _SingleRequestIndex(raw, lo - start, hi - start, nblk, capacity, block_size, unit, single)
+    index = _SingleRequestIndex(raw, lo - start, hi - start, nblk, capacity, block_size, unit, single)
+    index.req_to_token, index.inputs = req_to_token, inputs
+    return index
 
 
 class _SingleRequestIndex(DecodeIndex):
@@ -183,6 +191,7 @@ class _SingleRequestIndex(DecodeIndex):
         # raw: the table row's slots from the first block's start; [first, end): the request's keys in it
         self._raw, self._span, self._shape = raw, (first, end), (nblk, capacity, block_size)
         self.unit, self.single, self._table, self.key_runs = unit, single, None, ()
+        self.req_to_token, self.inputs = None, None
 
     @property
     def block_size(self) -> int:
@@ -229,6 +238,7 @@ def decode_blocks(
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     native: bool | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
@@ -245,7 +255,10 @@ def decode_blocks(
         measured no faster than the matmul form). Its traced form eagerly is correct but materialises a copy of all
         K and V.
     native: the fused form's kernel: the C++ one (``native_decode``; None: wherever it fits, which also makes the
-        fused form the CPU's eager default for a batch of more than one) or False for the traced form.
+        fused form the CPU's eager default for a batch of more than one) or False for the traced form (on CUDA:
+        False is the matmul form rather than the Triton kernel).
+    form: one of ``forms.FORMS`` to run that form, instead of the three overrides above (``forms.choose_form``
+        decides, and says why: ``COMPILED_ATTN_EXPLAIN=1``).
     The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
     dtype or float8 hands the CPU flash kernel half-precision tiles, which it accumulates in float32); a row with
@@ -258,7 +271,7 @@ def decode_blocks(
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
     choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, v_shares_k=v_shares_k,
-                         logit_cap=logit_cap, fused=fused, cpu_flash=cpu_flash, native=native)
+                         logit_cap=logit_cap, form=form, fused=fused, cpu_flash=cpu_flash, native=native)
     explain("decode_blocks", choice, q, k_cache, v_cache, hq // hkv)
     # a batch of one indexed on the host too (the kernel splits its KV heads between the threads, faster than
     # its one gather and flash call at any length): the kernel reads the table that index builds from its slots
@@ -267,6 +280,9 @@ def decode_blocks(
         return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
                                     ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
                                     bf16_query_scale(q, k_cache, 1.0), path=choice.path)
+    if choice.form == "triton":  # the kernel reads each request's range and skips the blocks past it
+        return triton_decode_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
+                                    sinks)
     if choice.form == "traced":
         block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
                                                     v_scale)
@@ -283,11 +299,11 @@ def decode_blocks(
     # matmuls read directly, and is 1/Hkv of the batch's K, small enough for the allocator to recycle
     # (a whole-batch gather over 32 MB is mmap'ed and page-faulted afresh each step).
     for h in range(hkv):
-        k = dequantize(k_cache[:, h].index_select(0, flat), torch.float32, k_scale).view(nblk, block_size, dqk)
+        k = dequantize(gather_rows(k_cache[:, h], flat), torch.float32, k_scale).view(nblk, block_size, dqk)
         if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):  # one latent cache, one scale
             v = k[..., :dv]
         else:
-            v = dequantize(v_cache[:, h].index_select(0, flat), torch.float32, v_scale).view(nblk, block_size, dv)
+            v = dequantize(gather_rows(v_cache[:, h], flat), torch.float32, v_scale).view(nblk, block_size, dv)
         s = torch.bmm(qb[:, h], k.transpose(1, 2))  # [nblk, group, block_size]
         if logit_cap is not None:
             s = logit_cap * torch.tanh(s / logit_cap)

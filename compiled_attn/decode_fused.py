@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_dtype import dequantize
+from .kv_dtype import dequantize, gather_rows
 from .opaque import opaque_op
 
 
@@ -150,7 +150,7 @@ def gather_heads_float(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor
     by ATen's row copy and one transposed copy. An op of its own for small CPU gathers (verify's draft keys):
     inductor folded the slots' computation and the matmul's transpose into a per-element loop (index arithmetic and
     bounds checks per element, slower than the matmul it fed)."""
-    rows = dequantize(cache.index_select(0, slots.reshape(-1)), torch.float32, None)
+    rows = dequantize(gather_rows(cache, slots.reshape(-1)), torch.float32, None)
     return rows.view(*slots.shape, *cache.shape[1:]).transpose(1, 2).contiguous()
 
 

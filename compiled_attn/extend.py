@@ -29,7 +29,7 @@ from graphs import cdiv
 
 from .decode import merge_blocks, sinks_by_kv_head
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
-from .kv_dtype import dequantize, scale_pair
+from .kv_dtype import dequantize, gather_rows, scale_pair
 from .metadata import ExtendMetadata
 
 #: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
@@ -279,8 +279,8 @@ def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, lo
         kv_ok = index.k_valid[s0:s0 + chunk].reshape(-1, 1, 1)
         flat = index.slots[s0:s0 + chunk].reshape(-1)
         # select, never multiply: a zeroed row stays finite whatever the padding slot holds
-        k = torch.where(kv_ok, dequantize(k_cache.index_select(0, flat), torch.float32, k_scale), 0.0)
-        v = torch.where(kv_ok, dequantize(v_cache.index_select(0, flat), torch.float32, v_scale), 0.0)
+        k = torch.where(kv_ok, dequantize(gather_rows(k_cache, flat), torch.float32, k_scale), 0.0)
+        v = torch.where(kv_ok, dequantize(gather_rows(v_cache, flat), torch.float32, v_scale), 0.0)
         k, v = k.view(c, tk, hkv, dqk), v.view(c, tk, hkv, dv)
         s = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [c, Hkv, group * TQ, TK]
         if logit_cap is not None:

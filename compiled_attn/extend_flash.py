@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from .kv_dtype import compute_dtype, dequantize
+from .kv_dtype import compute_dtype, dequantize, gather_rows
 from .merge import apply_sinks, merge_two
 from .opaque import opaque_op
 
@@ -134,8 +134,8 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
     flat_slots = slots.reshape(-1)
 
     def gather(idx):
-        k = dequantize(k_cache.index_select(0, idx), dtype, k_scale)
-        v = dequantize(v_cache.index_select(0, idx), dtype, v_scale)
+        k = dequantize(gather_rows(k_cache, idx), dtype, k_scale)
+        v = dequantize(gather_rows(v_cache, idx), dtype, v_scale)
         if dv < d:  # zero columns: the kernel's output gains d - dv columns of zeros, sliced off at the end
             v = torch.nn.functional.pad(v, (0, d - dv))
         n = idx.shape[0]

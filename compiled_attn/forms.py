@@ -8,7 +8,10 @@ The forms, by what computes each block of keys:
   the kernel (one head size, V a cache of its own).
 - ``flash``: ATen's CPU flash kernel over gathered runs of keys (``decode_flash``, ``verify_flash``): the CPU's
   eager form without the kernel (one head size, no soft-cap).
-- ``matmul``: gathered blocks and batched matmuls (CUDA and other devices; CPU calls no other form serves).
+- ``triton``: the Triton kernels (``kernels/triton_decode.py``), reading each request's range from device memory and
+  skipping every block past it: CUDA's form (a graph's block capacity then costs nothing past the real lengths).
+- ``matmul``: gathered blocks and batched matmuls (other devices, CUDA without Triton, CPU calls no other form
+  serves).
 
 The dispatchers (``decode.decode_blocks``, ``verify.verify_blocks``) run what ``choose_form`` returns, and tests ask
 it what a call will run instead of predicting from CPU flags. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct
@@ -25,13 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from .block_flash import supports_block_flash
+from .kernels.triton_form import triton_refusal
 from .kv_dtype import HALF_DTYPES
 from .native_decode import bf16_query_scale, kernel_path, native_refusal
 
 __all__ = ["EXPLAIN_ENV", "FUSED_MAX_ROWS", "FORMS", "NATIVE_MAX_ROWS", "FormChoice", "choose_form"]
 
 EXPLAIN_ENV = "COMPILED_ATTN_EXPLAIN"
-FORMS = ("kernel", "traced", "flash", "matmul")
+FORMS = ("kernel", "triton", "traced", "flash", "matmul")
 #: verify's query rows per KV head (``k * Hq // Hkv``) up to which the traced form reads the prefix in place: above
 #: it the flash kernel's GEMMs win (the traced loops score row by row, their work grows with the rows), and on a
 #: bf16/fp16 cache the flash op's half-precision kernel beat them at any row count
@@ -56,25 +60,35 @@ class FormChoice:
 
 def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                 rows_per_kv_head: int, v_shares_k: bool = False, logit_cap: float | None = None,
-                fused: bool | None = None, cpu_flash: bool | None = None, native: bool | None = None,
-                compiling: bool | None = None) -> FormChoice:
+                form: str | None = None, fused: bool | None = None, cpu_flash: bool | None = None,
+                native: bool | None = None, compiling: bool | None = None) -> FormChoice:
     """The form (and kernel path) that computes a decode-like call, and why.
 
     site: "decode" or "verify" (verify limits the vector forms' rows: ``FUSED_MAX_ROWS``, ``NATIVE_MAX_ROWS``);
     q: [rows, Hq, Dqk]; caches [num_slots, Hkv, D]; rows_per_kv_head: query rows a KV head's keys meet (decode:
-    Hq // Hkv; verify: k times that); v_shares_k: V a view of K's rows (MLA's latent); the overrides as the
+    Hq // Hkv; verify: k times that); v_shares_k: V a view of K's rows (MLA's latent); form: one of ``FORMS`` to
+    run that form (ValueError where it cannot serve the call), or None to choose. The older overrides as the
     dispatchers take them: fused (True: an in-place form, the kernel where it fits, else traced; False: not),
-    cpu_flash (True: the flash form), native (False: not the kernel). None picks. compiling: whether the call is
-    being traced by ``torch.compile`` (None: ``torch.compiler.is_compiling()``; a test asks what a compiled call runs).
-    ValueError where the overrides name two forms or a form that cannot serve the call."""
+    cpu_flash (True: the flash form), native (False: not the device's kernel, C++ or Triton). None picks.
+    compiling: whether the call is being traced by ``torch.compile`` (None: ``torch.compiler.is_compiling()``; a
+    test asks what a compiled call runs). ValueError where the overrides name two forms."""
+    if form is not None:
+        if fused is not None or cpu_flash is not None or native is not None:
+            raise ValueError(f"form={form!r} names the form: pass it without fused=, cpu_flash= or native=")
+        return _named_form(form, q, k_cache, v_cache, rows_per_kv_head, logit_cap)
     if fused and cpu_flash:
         raise ValueError("fused=True and cpu_flash=True name two different forms; pass one of them")
+    if q.device.type == "cuda" and fused is None and cpu_flash is None and native is not False:
+        refusal = triton_refusal(q, k_cache, v_cache)
+        if not refusal:
+            return FormChoice("triton", "", "CUDA: the Triton kernel, each request's blocks up to its length")
+        return FormChoice("matmul", "", f"CUDA without the Triton kernel ({refusal}): gathered blocks and batched "
+                                        "matmuls")
     refusal = "native=False" if native is False else native_refusal(q, k_cache, v_cache)
     # Python ints: head counts and sizes are a model's constants (under torch.compile this specializes them, as the
     # choice's branches on them would), and the reason's text is then a constant too
     rows, d, dv = int(rows_per_kv_head), int(q.shape[-1]), int(v_cache.shape[-1])
-    q_bf16 = bf16_query_scale(q, k_cache, 1.0) > 0
-    path, path_reason = ("", "") if refusal else kernel_path(k_cache.dtype, q_bf16, rows, d, dv)
+    path, path_reason = ("", "") if refusal else _kernel_path(q, k_cache, rows, d, dv)
     rows_reason = ""
     if site == "verify":
         if not refusal and rows > NATIVE_MAX_ROWS and path not in ("tile", "wide"):
@@ -106,6 +120,35 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flash_why = "" if flash_fits else (", no flash form (soft-cap, head sizes differ or not a CPU)"
                                       if q.device.type == "cpu" else "")
     return FormChoice("matmul", "", f"{given}{flash_why}: gathered blocks and batched matmuls")
+
+
+def _kernel_path(q: torch.Tensor, k_cache: torch.Tensor, rows: int, d: int, dv: int) -> tuple[str, str]:
+    """The C++ kernel's (path, reason) for a call it serves."""
+    return kernel_path(k_cache.dtype, bf16_query_scale(q, k_cache, 1.0) > 0, rows, d, dv)
+
+
+def _named_form(form: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int,
+                logit_cap: float | None) -> FormChoice:
+    """``form`` as asked, where it can serve the call (ValueError naming ``form`` and why not)."""
+    given = f"form={form!r} given"
+    if form == "kernel":
+        refusal = native_refusal(q, k_cache, v_cache)
+        if refusal:
+            raise ValueError(f"form='kernel': the C++ kernel cannot serve this call ({refusal})")
+        path, reason = _kernel_path(q, k_cache, int(rows), int(q.shape[-1]), int(v_cache.shape[-1]))
+        return FormChoice("kernel", path, f"{given}: {reason}")
+    if form == "triton":
+        refusal = triton_refusal(q, k_cache, v_cache)
+        if refusal:
+            raise ValueError(f"form='triton': the Triton kernel cannot serve this call ({refusal})")
+        return FormChoice("triton", "", f"{given}: the Triton kernel")
+    if form == "flash":
+        if not supports_block_flash(q, k_cache, v_cache, logit_cap):
+            raise ValueError("form='flash' needs a CPU q, Dqk == Dv and logit_cap=None")
+        return FormChoice("flash", "", f"{given}: ATen's CPU flash kernel")
+    if form in ("traced", "matmul"):
+        return FormChoice(form, "", given)
+    raise ValueError(f"form must be one of {FORMS} or None (choose), got {form!r}")
 
 
 def explain(site: str, choice: FormChoice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -51,6 +51,14 @@ def fp8_to(x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> t
     return out.mul_(factor) if factor != 1.0 else out
 
 
+def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache.index_select(0, index)``; a float8 cache is gathered as the bytes it holds (a uint8 view, as SGLang
+    stores it), since CUDA's index_select does not take every float8 dtype. cache: [S, ...] -> [len(index), ...]."""
+    if cache.dtype in FP8_DTYPES:
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
+
+
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
     """``x`` (a freshly gathered tile, any shape) in ``dtype``, times ``scale`` when given and not 1.
 

@@ -41,7 +41,8 @@ from .api import _scale, v_is_prefix_of_k
 from .decode import DecodeIndex, build_decode_index, gather_unit, merge_blocks, sinks_by_kv_head
 from .decode_fused import gather_heads_float, used_block_partials
 from .forms import FUSED_MAX_ROWS, NATIVE_MAX_ROWS, choose_form, explain
-from .kv_dtype import dequantize, scale_pair
+from .kernels.triton_form import triton_verify_blocks
+from .kv_dtype import dequantize, gather_rows, scale_pair
 from .metadata import DecodeInputs
 from .native_decode import bf16_query_scale, native_decode_blocks
 from .verify_flash import prefix_flash
@@ -65,12 +66,14 @@ class VerifyIndex:
                  below ``lo`` (``k - 1 + unit - 1`` under a window, else none), then the ``k`` draft keys
     draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
     inputs:      what the index was built from (a windowed layer's index is built from the same inputs)
+    sliding_window: the layer's window it was built for, or None
     """
 
     prefix: DecodeIndex
     draft_slots: torch.Tensor
     draft_mask: torch.Tensor
     inputs: VerifyInputs | None = None
+    sliding_window: int | None = None
 
 
 def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1, *,
@@ -103,7 +106,8 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
         mask = seen & (key_pos[:, None, :] >= (prefix[:, None] + depth - sliding_window)[:, :, None])
     blocks = build_decode_index(req_to_token, DecodeInputs(rows, lo, prefix, block_ids, block_offsets), page_size,
                                 host_form=host_form)
-    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs)
+    return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs,
+                       sliding_window=sliding_window)
 
 
 def verify_blocks(
@@ -121,6 +125,7 @@ def verify_blocks(
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     native: bool | None = None,
+    form: str | None = None,
 ) -> torch.Tensor:
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
@@ -129,7 +134,8 @@ def verify_blocks(
     (``decode_fused``, as the CPU decode); None picks it on a CPU where the C++ kernel fits (``native``: as
     ``decode.decode_blocks``, MLA's latent too) or while compiling for one head size and V a cache of its own, with
     at most ``FUSED_MAX_ROWS`` query rows per KV head (``NATIVE_MAX_ROWS`` through the kernel, any number its tile
-    or wide path serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not).
+    or wide path serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not). form: as
+    ``decode.decode_blocks``' (CUDA's choice: the Triton kernel).
     Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
@@ -140,8 +146,11 @@ def verify_blocks(
         return q.new_zeros(0, hq, dv)
     rows = k * hq // hkv
     choice = choose_form("verify", q, k_cache, v_cache, rows_per_kv_head=rows, v_shares_k=v_shares_k,
-                         logit_cap=logit_cap, fused=fused, cpu_flash=cpu_flash, native=native)
+                         logit_cap=logit_cap, form=form, fused=fused, cpu_flash=cpu_flash, native=native)
     explain("verify_blocks", choice, q, k_cache, v_cache, rows)
+    if choice.form == "triton":  # prefix and draft keys in one kernel, each request's blocks up to its length
+        return triton_verify_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
+                                    sinks)
     # a request's k queries share its KV head's blocks: grouped [bs, Hkv, k * group, D], row i * group + g draft
     # token i's head g, whose sink is head g's, tiled over the k tokens
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
@@ -197,11 +206,11 @@ def _prefix_matmul(qg, k_cache, v_cache, index: DecodeIndex, scale, logit_cap, v
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
     for h in range(hkv):
-        kb = dequantize(k_cache[:, h].index_select(0, flat), torch.float32, k_scale).view(nblk, block_size, dqk)
+        kb = dequantize(gather_rows(k_cache[:, h], flat), torch.float32, k_scale).view(nblk, block_size, dqk)
         if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):  # MLA's latent cache: V is K's first columns
             vb = kb[..., :dv]
         else:
-            vb = dequantize(v_cache[:, h].index_select(0, flat), torch.float32, v_scale).view(nblk, block_size, dv)
+            vb = dequantize(gather_rows(v_cache[:, h], flat), torch.float32, v_scale).view(nblk, block_size, dv)
         s = torch.bmm(qb[:, h], kb.transpose(1, 2))  # [nblk, k * group, block_size]
         m, p = _masked_softmax_parts(s, valid, logit_cap)
         ms.append(m)
@@ -230,7 +239,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
     def gather(cache, d):  # -> [bs, Hkv, nk, d]; on CPU through ATen's row copy (``gather_heads_float`` says why)
         if cache.device.type == "cpu":
             return gather_heads_float(cache, slots)
-        return cache.index_select(0, slots.reshape(-1)).view(bs, nk, hkv, d).transpose(1, 2)
+        return gather_rows(cache, slots.reshape(-1)).view(bs, nk, hkv, d).transpose(1, 2)
 
     kd = dequantize(gather(k_cache, dqk), torch.float32, k_scale)
     if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):
@@ -247,7 +256,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
                      k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None,
-                     sliding_window=None, native=None) -> torch.Tensor:
+                     sliding_window=None, native=None, form=None) -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
@@ -263,4 +272,4 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     index = build_verify_index(req_to_token, meta.inputs, page_size, sliding_window=sliding_window)
     return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
                          v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, fused=fused,
-                         k_scale=k_scale, v_scale=v_scale, sinks=sinks, native=native)
+                         k_scale=k_scale, v_scale=v_scale, sinks=sinks, native=native, form=form)

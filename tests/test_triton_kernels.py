@@ -1,31 +1,15 @@
 """The Triton decode and verify kernels (``compiled_attn.kernels``) against a float64 reference written here.
 
-Without CUDA they run on CPU tensors in Triton's interpreter. ``triton.jit`` reads ``TRITON_INTERPRET`` when it
-decorates a function: triton's own library functions (``tl.max``, ``tl.cdiv``: ``triton.language.standard``) when
-triton is first imported, the kernels when their module is. So triton is imported as it would be without this file,
-the variable is set only around the kernel module's import (those kernels use core builtins only) and removed
-again: it would otherwise reach every later test and the SGLang processes the live tests start.
+Without CUDA they run on CPU tensors in Triton's interpreter (``triton_interpret``).
 """
 import os
 
 import pytest
 import torch
+from triton_interpret import DEVICE, import_kernels
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytest.importorskip("triton", reason="needs triton (the kernels are written in Triton)")
-_ADDED = DEVICE == "cpu" and "TRITON_INTERPRET" not in os.environ
-if _ADDED:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from compiled_attn.kernels import triton_decode as td
-    from compiled_attn.kernels.triton_verify import triton_verify
-finally:
-    if _ADDED:
-        del os.environ["TRITON_INTERPRET"]
-
-if DEVICE == "cpu" and not td.is_interpreted():
-    pytest.skip("no CUDA, and the triton kernels were decorated for a GPU (their module was imported before "
-                "TRITON_INTERPRET=1 was set)", allow_module_level=True)
+td, _tv = import_kernels()
+triton_verify = _tv.triton_verify
 
 NAN_SLOT = 0  # holds NaN in the skipping test; no request reads it
 
