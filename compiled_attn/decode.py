@@ -268,6 +268,8 @@ def decode_blocks(
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if not torch.compiler.is_compiling():  # a Python number: checked once at trace time, free at replay
         validate.check_positive_number("scale", scale)
+        if index.inputs is not None:
+            validate.check_index_rows(q, index.inputs.req_rows.shape[0])
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
     choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, v_shares_k=v_shares_k,

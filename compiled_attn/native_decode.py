@@ -216,7 +216,13 @@ def bf16_query_scale(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> fl
 def kernel_isa_bits() -> int:
     """What this process's kernel build runs (``ca_isa``: the ``ISA_*`` bits), 0 without one. A constant to
     ``torch.compile``."""
-    return 0 if library() is None else library().ca_isa()
+    lib = library()
+    return 0 if lib is None else _isa_bits(lib)
+
+
+@functools.cache
+def _isa_bits(lib: ctypes.CDLL) -> int:
+    return lib.ca_isa()  # asked once per build: a ctypes call is microseconds, on every call's choice
 
 
 def native_tiles_available() -> bool:

@@ -29,6 +29,15 @@ def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | 
         raise ValueError(f"{name} is on the meta device (shape only, no data); pass a tensor with storage")
 
 
+def check_index_rows(q: torch.Tensor, index_rows: int, tokens: int = 1) -> None:
+    """q's rows are the index's batch rows (``index_rows``: its inputs' ``req_rows`` length) times ``tokens``
+    (verify's draft tokens): a mismatch would read queries past q's end or keys of rows it does not have."""
+    if q.shape[0] != index_rows * tokens:
+        per = f" x {tokens} draft tokens" if tokens != 1 else ""
+        raise ValueError(f"q has {q.shape[0]} rows, but the index was built for a batch of {index_rows}{per}: build "
+                         "the index from the inputs planned for this q")
+
+
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Check ``q: [n, Hq, Dqk]`` (float32/bf16/fp16), ``k_cache: [S, Hkv, Dqk]``, ``v_cache: [S, Hkv, Dv]`` (one
     dtype of ``kv_dtype.KV_DTYPES``, float8 included); return (Hq, Hkv, Dqk, Dv)."""

@@ -142,6 +142,7 @@ def verify_blocks(
     hq, hkv, dv = q.shape[1], k_cache.shape[1], v_cache.shape[2]
     if not torch.compiler.is_compiling():
         validate.check_positive_number("scale", scale)
+        validate.check_index_rows(q, bs, k)
     if bs == 0:
         return q.new_zeros(0, hq, dv)
     rows = k * hq // hkv

@@ -66,3 +66,22 @@ def test_device_mismatch_is_named():
     meta = torch.empty(2, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="seq_lens is on meta"):
         dec(b, seq_lens=meta)
+
+
+def test_an_index_of_another_batch_is_refused():
+    """q with fewer (or more) rows than the batch its index was built for: a ValueError naming both, whatever the
+    form (the kernel would read query rows past q's end, the other forms keys of rows q does not have)."""
+    from compiled_attn import build_decode_index, decode_blocks, plan_decode
+    from compiled_attn.verify import build_verify_index, plan_verify, verify_blocks
+
+    b = make_batch([5, 70, 33], hq=8, hkv=2, dqk=32, decode=True, seed=0)
+    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
+    index = build_decode_index(b.req_to_token, meta.inputs)
+    for form in (None, "flash", "matmul", "traced"):
+        with pytest.raises(ValueError, match="q has 2 rows, but the index was built for a batch of 3"):
+            decode_blocks(b.q[:2], b.k_cache, b.v_cache, index, 0.1, form=form)
+    prefix = torch.tensor([5, 9])
+    v = make_batch((prefix + 2).tolist(), prefix.tolist(), hq=4, hkv=2, dqk=16)
+    vmeta = plan_verify(v.q, v.k_cache, v.v_cache, v.req_to_token, v.rows, prefix, 2)
+    with pytest.raises(ValueError, match="q has 3 rows, but the index was built for a batch of 2 x 2 draft tokens"):
+        verify_blocks(v.q[:3], v.k_cache, v.v_cache, build_verify_index(v.req_to_token, vmeta.inputs), 0.25)
