@@ -85,16 +85,16 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return FormChoice("matmul", "", f"CUDA without the Triton kernel ({refusal}): gathered blocks and batched "
                                         "matmuls")
     refusal = "native=False" if native is False else native_refusal(q, k_cache, v_cache)
-    # Python ints: head counts and sizes are a model's constants (under torch.compile this specializes them, as the
-    # choice's branches on them would), and the reason's text is then a constant too
-    rows, d, dv = int(rows_per_kv_head), int(q.shape[-1]), int(v_cache.shape[-1])
+    # branches on sizes guard them under torch.compile (a dynamic compile keeps one graph for every draft length);
+    # the reasons name rules, never sizes: text of a symbolic size is no constant
+    rows, d, dv = rows_per_kv_head, q.shape[-1], v_cache.shape[-1]
     path, path_reason = ("", "") if refusal else _kernel_path(q, k_cache, rows, d, dv)
     rows_reason = ""
     if site == "verify":
         if not refusal and rows > NATIVE_MAX_ROWS and path not in ("tile", "wide"):
-            rows_reason = f"{rows} rows per KV head on the kernel's {path} path (over {NATIVE_MAX_ROWS})"
+            rows_reason = f"over {NATIVE_MAX_ROWS} rows per KV head on the kernel's {path} path"
         elif refusal and rows > FUSED_MAX_ROWS:
-            rows_reason = f"{rows} rows per KV head for the traced form (over {FUSED_MAX_ROWS})"
+            rows_reason = f"over {FUSED_MAX_ROWS} rows per KV head for the traced form"
         elif refusal and k_cache.dtype in HALF_DTYPES:
             rows_reason = f"a {k_cache.dtype} cache for the traced form (the flash op's half precision is faster)"
     compiling = torch.compiler.is_compiling() if compiling is None else compiling
@@ -112,7 +112,7 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flash_fits = supports_block_flash(q, k_cache, v_cache, logit_cap)
     if cpu_flash and not flash_fits:
         raise ValueError("cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None; got device "
-                         f"{q.device.type}, Dqk {d}, Dv {dv}, logit_cap {logit_cap}")
+                         f"{q.device.type}, Dqk {int(d)}, Dv {int(dv)}, logit_cap {logit_cap}")
     if cpu_flash or cpu_flash is None and flash_fits:
         given = "cpu_flash=True" if cpu_flash else f"no in-place form ({why_not})"
         return FormChoice("flash", "", f"{given}: ATen's CPU flash kernel")
@@ -135,7 +135,7 @@ def _named_form(form: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         refusal = native_refusal(q, k_cache, v_cache)
         if refusal:
             raise ValueError(f"form='kernel': the C++ kernel cannot serve this call ({refusal})")
-        path, reason = _kernel_path(q, k_cache, int(rows), int(q.shape[-1]), int(v_cache.shape[-1]))
+        path, reason = _kernel_path(q, k_cache, rows, q.shape[-1], v_cache.shape[-1])
         return FormChoice("kernel", path, f"{given}: {reason}")
     if form == "triton":
         refusal = triton_refusal(q, k_cache, v_cache)
@@ -157,14 +157,16 @@ def explain(site: str, choice: FormChoice, q: torch.Tensor, k_cache: torch.Tenso
     trace time). The batch size is left out of the line: one choice serves every batch of a shape."""
     if not _explaining():
         return
-    mode = "compiled" if torch.compiler.is_compiling() else "eager"
-    # int(): head counts and sizes are a model's constants (specializing them costs no recompile)
-    heads = f"q [*, {int(q.shape[1])}, {int(q.shape[2])}] {str(q.dtype).removeprefix('torch.')}"
-    kv = (f"kv [*, {int(k_cache.shape[1])}, {int(k_cache.shape[2])}/{int(v_cache.shape[2])}] "
-          f"{str(k_cache.dtype).removeprefix('torch.')}")
+    compiling = torch.compiler.is_compiling()
+    q_dtype, kv_dtype = str(q.dtype).removeprefix("torch."), str(k_cache.dtype).removeprefix("torch.")
     path = f" path {choice.path}" if choice.path else ""
-    _log_once(f"compiled_attn: {site} ({mode}, {q.device.type}) {heads}, {kv}, {int(rows_per_kv_head)} rows per KV "
-              f"head -> form {choice.form}{path}: {choice.reason}")
+    if compiling:  # sizes may be symbols of a dynamic compile: text of one is no constant, its value a guard
+        shapes = f"q {q_dtype}, kv {kv_dtype} (sizes traced)"
+    else:
+        shapes = (f"q [*, {q.shape[1]}, {q.shape[2]}] {q_dtype}, kv [*, {k_cache.shape[1]}, {k_cache.shape[2]}/"
+                  f"{v_cache.shape[2]}] {kv_dtype}, {rows_per_kv_head} rows per KV head")
+    _log_once(f"compiled_attn: {site} ({'compiled' if compiling else 'eager'}, {q.device.type}) {shapes} -> form "
+              f"{choice.form}{path}: {choice.reason}")
 
 
 @torch.compiler.assume_constant_result

@@ -184,9 +184,9 @@ def native_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return f"not a CPU call ({q.device.type})"
     if k_cache.dtype not in KINDS or v_cache.dtype != k_cache.dtype:
         return f"caches {k_cache.dtype}/{v_cache.dtype}: the kernel reads one of {_KIND_NAMES} for both"
-    d, dk, dv = int(q.shape[-1]), int(k_cache.shape[-1]), int(v_cache.shape[-1])  # a model's constants
-    if d != dk or dk % 16 or dv % 16:
-        return f"head sizes {d}/{dk}/{dv}: not equal multiples of 16"
+    # reasons name rules, not sizes: under torch.compile a size may be a symbol (text of it is no constant)
+    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[-1] % 16 or v_cache.shape[-1] % 16:
+        return "head sizes not equal multiples of 16"
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return "a cache row's last dim is not contiguous"
     if not native_available():
@@ -254,17 +254,19 @@ def kernel_path(kv_dtype: torch.dtype, q_bf16: bool, rows_per_kv_head: int, d: i
     bits = kernel_isa_bits() if isa_bits is None else isa_bits
     args = (kv_dtype, q_bf16, rows_per_kv_head, d, dv, bits)
     path = next(p for p in ("tile", "wide", "vector_bf16", "vector") if path_fits(p, *args))
-    g, kv = rows_per_kv_head, str(kv_dtype).removeprefix("torch.")
-    # f-strings, not str.format: under torch.compile a format() of a head size is no constant
+    # the reasons name rules, not sizes: under torch.compile the rows may be a symbol (shared by every draft length
+    # of a dynamic compile), and text of a symbol is no constant
+    kv = str(kv_dtype).removeprefix("torch.")
     if path == "tile":
-        return path, f"bf16 query and {kv} cache, {g} rows per KV head (8-16 or a multiple of 16), AMX tiles usable"
+        return path, f"bf16 query and {kv} cache, 8-16 rows per KV head or a multiple of 16, AMX tiles usable"
     if path == "wide":
         no_tiles = "" if bits & ISA_TILES_USABLE else " (no AMX tiles in this build)"
-        return path, f"{g} rows per KV head, a multiple of 16: float32 outer products{no_tiles}"
+        return path, f"rows per KV head a multiple of 16: float32 outer products{no_tiles}"
     if path == "vector_bf16":
-        return path, f"bf16 query and {kv} cache, head size {d}, {g} rows per KV head: AVX512-BF16 pair products"
+        return path, (f"bf16 query and {kv} cache, head size 64, 128 or 256, rows per KV head a multiple of 4: "
+                      "AVX512-BF16 pair products")
     no_pairs = "" if bits & ISA_AVX512_BF16 else " (no AVX512-BF16 in this build)"
-    return path, f"{g} rows per KV head, float32 products{no_pairs}"
+    return path, f"float32 products{no_pairs}"
 
 
 @torch.compiler.assume_constant_result

@@ -41,9 +41,9 @@ def triton_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return f"a {q.dtype} query"
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         return f"caches {k_cache.dtype}/{v_cache.dtype}"
-    d, dk, dv = int(q.shape[-1]), int(k_cache.shape[-1]), int(v_cache.shape[-1])  # a model's constants
-    if d != dk or d % 16 or dv % 16 or max(d, dv) > MAX_HEAD_DIM:
-        return f"head sizes {d}/{dk}/{dv}: not equal multiples of 16 up to {MAX_HEAD_DIM}"
+    d, dk, dv = q.shape[-1], k_cache.shape[-1], v_cache.shape[-1]
+    if d != dk or d % 16 or dv % 16 or d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:  # (a rule, not sizes: see forms)
+        return f"head sizes not equal multiples of 16 up to {MAX_HEAD_DIM}"
     return ""
 
 
