@@ -24,6 +24,17 @@ masked, but still cost their share of compute in every replay. A large pool with
 the capacity, not for the real lengths: lower ``COMPILED_ATTN_GRAPH_KV_TOKENS`` to the most KV tokens a decode batch
 really reads; a batch beyond the capacity then raises a ``ValueError`` naming the variable (CUDA graphs) or runs
 with exact-size metadata (CPU graph runner: one more compile).
+
+Prefill graphs (``--cuda-graph-backend-prefill``, SGLang 0.5.23's ``model_executor/runner/
+prefill_cuda_graph_runner.py``): ``breakable``, the CUDA default, captures the model's body between attention layers.
+``RadixAttention.forward`` runs attention as an eager break there (``_eager_attention``, ``eager_on_graph``): at
+replay it reads the step's batch (``get_forward_batch()``, the runner's view over its static buffers), narrows q/k/v
+and ``out_cache_loc`` to the real tokens and calls ``forward_extend``, after the runner called
+``init_forward_metadata`` on the step's batch. Eager extend serves that as it is: its metadata is planned per
+forward from the batch the layer is handed. The capture's own runs (warmups and the recorded one, on a dummy batch
+whose request rows hold no pages) return zeros without planning or writing KV: their output is never read. ``full``
+records attention inside one graph per token bucket, and extend plans on the host: its first hook
+(``init_forward_metadata_out_graph`` on an extend batch) refuses it, naming the values to pass instead.
 """
 from __future__ import annotations
 
@@ -48,6 +59,7 @@ from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
     GraphState,
+    capturing_prefill_graph,
     check_graph_blocks,
     check_kwargs,
     check_mode,
@@ -58,7 +70,7 @@ from .backend_util import (
     layer_window,
 )
 from .speculative import VERIFY_KEY, forward_target_verify
-from .speculative_graphs import verify_in_graph, verify_out_graph
+from .speculative_graphs import verify_in_graph, verify_out_graph, verify_refill_after_draft
 
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
 
@@ -124,6 +136,13 @@ class CompiledAttnBackend(AttentionBackend):
     def req_to_token(self) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token
 
+    @property
+    def max_context_len(self) -> int:
+        """The positions a request row holds: the ``req_to_token`` width (the model's context length plus the few
+        slots SGLang's pool adds). SGLang's EAGLE workers size a FULL_MASK tree mask they allocate from it
+        (``bs * max_context_len`` cached tokens at most: ``speculative/eagle_worker_common.py``)."""
+        return self.req_to_token.shape[1]
+
     def support_triton(self):
         return False
 
@@ -188,7 +207,7 @@ class CompiledAttnBackend(AttentionBackend):
 
     def graph_block_capacity(self, bs: int, kv_tokens: int | None = None) -> int:
         kv_tokens = kv_tokens if kv_tokens is not None else self.graph.kv_tokens
-        return graph_block_capacity(bs, max_context_len=self.req_to_token.shape[1], kv_tokens=kv_tokens,
+        return graph_block_capacity(bs, max_context_len=self.max_context_len, kv_tokens=kv_tokens,
                                     block_size=self.block_size, page_size=self.page_size)
 
     def get_cuda_graph_seq_len_fill_value(self):
@@ -203,8 +222,13 @@ class CompiledAttnBackend(AttentionBackend):
         if mode is not None and mode.is_target_verify():
             return verify_out_graph(self, forward_batch, in_capture)
         if mode is not None and not mode.is_decode():
-            raise NotImplementedError(f"compiled_attn: graphs are supported for decode and TARGET_VERIFY only, got "
-                                      f"{mode!r}; disable prefill graphs (--cuda-graph-backend-prefill disabled)")
+            # only SGLang's full prefill graph calls this on an extend batch (breakable prefill graphs run attention
+            # eagerly, through init_forward_metadata): it would record attention, which plans extend on the host
+            raise NotImplementedError(
+                f"compiled_attn: the full prefill CUDA graph (--cuda-graph-backend-prefill full) is not supported: it "
+                f"records the attention of {getattr(mode, 'name', mode)} batches, which this backend plans on the "
+                f"host. Pass --cuda-graph-backend-prefill breakable (the CUDA default: attention runs eagerly between "
+                f"the captured pieces) or --cuda-graph-backend-prefill disabled")
         if self.graph is None:
             raise RuntimeError("compiled_attn: init_cuda_graph_state must be called before graph metadata")
         self._check_capacity(forward_batch)
@@ -215,7 +239,7 @@ class CompiledAttnBackend(AttentionBackend):
         lens = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
         enc = getattr(forward_batch, "encoder_lens", None)
         enc = host_int64(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
-        width, cap = self.req_to_token.shape[1], self.graph_block_capacity(bs)
+        width, cap = self.max_context_len, self.graph_block_capacity(bs)
         hi = lens if enc is None else lens + enc
         if hi.numel() and int(hi.max()) > width:
             raise ValueError(f"compiled_attn: a request reaches position {int(hi.max())}, beyond the "
@@ -244,6 +268,12 @@ class CompiledAttnBackend(AttentionBackend):
         self.forward_metadata = state
         for key in self.decode_keys if build_index else ():
             state.decode[key] = self._static_decode_index(state, key)
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs: int | None):
+        """SGLang's overlap-plan-stream hook (``SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1``), called after a TARGET_VERIFY
+        step's metadata was prepared on the plan stream and before its forward: the tree masks copied again into a
+        graph's static buffer (``speculative_graphs.verify_refill_after_draft``); eager verify needs nothing."""
+        verify_refill_after_draft(self, spec_info, cuda_graph_bs)
 
     def init_forward_metadata_capture_cpu_graph(self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
                                                 encoder_lens, forward_mode, spec_info):
@@ -325,6 +355,10 @@ class CompiledAttnBackend(AttentionBackend):
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
+        if capturing_prefill_graph():
+            # a breakable prefill graph's capture: the dummy batch's output is never read (each replay runs attention
+            # again, eagerly, on the step's batch) and its request rows hold no pages; nothing to plan or write
+            return q.new_zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         if forward_batch.forward_mode.is_target_verify():  # k draft tokens per request (speculative.py)
             return forward_target_verify(self, q3, k_cache, v_cache, layer, forward_batch, sinks)

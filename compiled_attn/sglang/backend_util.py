@@ -76,6 +76,17 @@ class GraphState:
     verify: dict = field(default_factory=dict)
 
 
+def capturing_prefill_graph() -> bool:
+    """True while SGLang's prefill graph runner captures: ``prefill_cuda_graph_runner.py``'s ``_capture`` sets
+    ``get_flags().dp.capturing_prefill_graph`` around its warmups and captures, all on ``capture_prepare``'s dummy
+    batches. False where SGLang's runtime is not importable."""
+    try:
+        from sglang.srt.runtime_context import get_flags
+        return bool(get_flags().dp.capturing_prefill_graph)
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
 def host_int64(cpu_copy, tensor) -> torch.Tensor:
     t = cpu_copy if cpu_copy is not None else tensor
     if not isinstance(t, torch.Tensor):

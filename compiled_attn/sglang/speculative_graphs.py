@@ -21,6 +21,13 @@ against the capacities the graph was captured with and copies the live mask's dr
 tensor code with fixed shapes per ``bs``. The prefix blocks are ``verify.verify_block_size(k, device)`` tokens; a
 graph of ``bs`` rows computes over the decode graphs' block capacity at that block size (``backend_util
 .graph_block_capacity``, bounded by ``GRAPH_KV_TOKENS_ENV``).
+
+With ``SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1`` the EAGLE worker (``speculative/eagle_worker_common.py``
+``run_eagle_verify``) runs the runner's ``load_batch``, and so ``verify_out_graph``, on a plan stream, then joins the
+streams and calls ``update_verify_buffers_to_fill_after_draft(spec_info, runner.bs)`` before the replay. Of what a
+graph reads, only the draft mask comes from the draft's output by way of the host: rows, prefix lengths and slots
+are the runner's buffers, read inside the graph at replay. ``verify_refill_after_draft`` copies the tree masks
+again, so the graph reads the mask as the draft left it, whenever the plan stream read it.
 """
 from __future__ import annotations
 
@@ -48,10 +55,14 @@ class VerifyGraphState:
     draft_mask: torch.Tensor  # [max_bs, k, k] bool, written by verify_out_graph
     block_ids: torch.Tensor  # [capacity(max_bs)] int64 arange; a graph of bs rows reads [:capacity(bs)]
     block_offsets: torch.Tensor  # [block_size] int64 arange
+    # the last verify_out_graph's graph size and its real rows' prefix lengths ([real] int64, host), which the
+    # refill after the draft reads the step's tree masks with
+    last_bs: int = 0
+    last_prefix: torch.Tensor | None = None
 
 
 def _capacity(backend, bs: int, block_size: int) -> int:
-    return graph_block_capacity(bs, max_context_len=backend.req_to_token.shape[1], kv_tokens=backend.graph.kv_tokens,
+    return graph_block_capacity(bs, max_context_len=backend.max_context_len, kv_tokens=backend.graph.kv_tokens,
                                 block_size=block_size, page_size=backend.page_size)
 
 
@@ -87,19 +98,43 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
     prefix = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
     if prefix.shape != (bs,):
         raise ValueError(f"compiled_attn: seq_lens must have shape [{bs}] (the batch size), got {tuple(prefix.shape)}")
-    validate.check_kv_end(prefix + k, backend.req_to_token.shape[1],
+    validate.check_kv_end(prefix + k, backend.max_context_len,
                           f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
     needed = total_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size)
     check_graph_blocks(lambda: f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
                        _capacity(backend, bs, state.block_size), state.block_size, backend.graph.kv_tokens)
-    mask = state.draft_mask[:bs]
-    mask.copy_(chain_mask(bs, k, mask.device))
+    state.draft_mask[:bs].copy_(chain_mask(bs, k, state.draft_mask.device))
     real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)  # the live mask covers the real rows only
-    if real > 0 and not is_chain(spec):
-        layout = mask_layout(mask.device)
-        custom = mask_of(spec, prefix[:real], k, layout)
-        check_custom_mask(custom, prefix[:real], k, layout, mask.device)
-        mask[:real].copy_(draft_mask_from_custom(custom, prefix[:real].to(mask.device), k, layout))
+    state.last_bs, state.last_prefix = bs, prefix[:real]
+    _copy_tree_masks(state, spec, state.last_prefix)
+
+
+def _copy_tree_masks(state: VerifyGraphState, spec, prefix: torch.Tensor) -> None:
+    """The step's tree masks (``spec.custom_mask``, checked against the batch) into the static buffer's first
+    ``real`` rows; a chain keeps the chain rows. prefix: [real] int64 host, the real rows' cached lengths."""
+    real = prefix.shape[0]
+    if real == 0 or is_chain(spec):
+        return
+    mask = state.draft_mask[:real]
+    layout = mask_layout(mask.device)
+    custom = mask_of(spec, prefix, state.k, layout)
+    check_custom_mask(custom, prefix, state.k, layout, mask.device)
+    mask.copy_(draft_mask_from_custom(custom, prefix.to(mask.device), state.k, layout))
+
+
+def verify_refill_after_draft(backend, spec_info, cuda_graph_bs: int | None) -> None:
+    """``update_verify_buffers_to_fill_after_draft``: after the plan stream's ``verify_out_graph`` for the graph of
+    ``cuda_graph_bs`` rows (the runner's ``bs``), copy ``spec_info``'s tree masks into that graph's mask buffer again
+    (module docstring). ``cuda_graph_bs`` None (eager verify: its forward reads ``spec_info`` itself) and chains (no
+    mask) need nothing."""
+    if cuda_graph_bs is None:
+        return
+    state = _graph_state(backend, draft_len_of(spec_info), create=False)
+    if state.last_prefix is None or state.last_bs != cuda_graph_bs:
+        raise RuntimeError(f"compiled_attn: update_verify_buffers_to_fill_after_draft(cuda_graph_bs={cuda_graph_bs}) "
+                           f"needs init_forward_metadata_out_graph for a graph of that batch size first (the last "
+                           f"one was for bs={state.last_bs})")
+    _copy_tree_masks(state, spec_info, state.last_prefix)
 
 
 def verify_in_graph(backend, forward_batch) -> VerifyIndex:
