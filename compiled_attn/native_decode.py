@@ -60,7 +60,7 @@ PATHS = ("vector", "vector_bf16", "wide", "tile")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, ctypes.c_int, ctypes.c_int]
+             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, ctypes.c_int, ctypes.c_int, _I64]
 _KIND_NAMES = ", ".join(str(dtype).removeprefix("torch.") for dtype in KINDS)
 #: the query dtypes the merged op reads as they are, by the kind number it takes (its output: float32 or bfloat16)
 QUERY_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -304,10 +304,13 @@ def _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, lo
         None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
         min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if draft_slots is None else draft_slots.data_ptr(),
         None if draft_mask is None else draft_mask.data_ptr(), nd, mask_tokens, QUERY_KINDS[q.dtype], tokens,
-        int(out is not None and out.dtype == torch.bfloat16), path_number)
+        int(out is not None and out.dtype == torch.bfloat16), path_number, q.shape[0])
     if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
         raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
                          f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
+    if rc == 5:
+        raise ValueError(f"native decode kernel: block_req holds a row outside [0, {q.shape[0]}) (q's rows"
+                         f"{'' if out is None else ', or past them for an unused block'}): check the block table")
     if rc == 4:
         raise ValueError(f"native decode kernel: path {PATHS[path_number]!r} does not serve this call (cache "
                          f"{k_cache.dtype}, {g} query rows per KV head, head sizes {d}/{dv}, q_bf16_scale "
@@ -315,6 +318,21 @@ def _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, lo
     if rc != 0:
         raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16, the cache a dtype "
                          f"of {list(KINDS)} and the query one of {list(QUERY_KINDS)}")
+
+
+def _check_blocks(block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor, unit: int) -> None:
+    """The block table's tensors as the kernel reads them (``DecodeIndex``'s), or ValueError naming the one that
+    does not fit: block_req [n] int64, runs [n, B // unit] int64, valid [n, B] bool, B a multiple of unit."""
+    n = block_req.shape[0] if block_req.dim() == 1 else -1
+    if block_req.dtype != torch.int64 or n < 0:
+        raise ValueError(f"block_req must be int64 [n], got {block_req.dtype} {tuple(block_req.shape)}")
+    if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != n:
+        raise ValueError(f"valid must be bool [n={n}, B], got {valid.dtype} {tuple(valid.shape)}")
+    b = valid.shape[1]
+    if not isinstance(unit, int) or unit < 1 or b % unit:
+        raise ValueError(f"unit must be an int >= 1 dividing the block size {b}, got {unit!r}")
+    if runs.dtype != torch.int64 or tuple(runs.shape) != (n, b // unit):
+        raise ValueError(f"runs must be int64 [n={n}, B // unit={b // unit}], got {runs.dtype} {tuple(runs.shape)}")
 
 
 def _partials_like(like: torch.Tensor, n: int, hkv: int, g: int, dv: int
@@ -342,6 +360,7 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
     Invalid positions are never read; a valid position whose slot lies outside the cache is a ValueError (checked
     in the kernel, which reads nothing there).
     """
+    _check_blocks(block_req, runs, valid, unit)
     qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
     m, lsum, o = _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
     _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
@@ -407,6 +426,9 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
     and the output's layouts (a grouping copy before the kernel and a transposing cast after it)."""
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     g = _check_queries(q, num_rows, tokens, hkv)
+    _check_blocks(block_req, runs, valid, unit)
+    if sinks is not None and sinks.numel() != hkv * g:
+        raise ValueError(f"sinks must hold Hkv x G = {hkv * g} logits, got {tuple(sinks.shape)}")
     sinks = None if sinks is None else sinks.float().contiguous()
     draft_slots, draft_mask = _check_draft(g, num_rows, draft_slots, draft_mask)
     q, block_req, runs, valid = q.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()

@@ -101,7 +101,7 @@ def test_each_level_builds_what_it_names(level_kernel):
 def _kernel_rc(lib, kind: int, g: int, d: int, dv: int, q_bf16_scale: float, path: int) -> int:
     """The kernel's return code for an empty call (no blocks: only its checks run)."""
     args = [kind, None, None, None, None, None, None, 0, 0, 0, 0, 0, 1, g, d, dv, 16, 1, 1.0, 1.0, 0.0, None, None,
-            None, 1, 0, None, None, 0, q_bf16_scale, None, None, 0, 0, 0, 1, 0, path]
+            None, 1, 0, None, None, 0, q_bf16_scale, None, None, 0, 0, 0, 1, 0, path, 0]
     return lib.ca_block_partials(*args)
 
 

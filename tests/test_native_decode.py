@@ -16,7 +16,7 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.decode_fused import scaled_queries
 from compiled_attn.forms import choose_form
-from compiled_attn.native_decode import native_available, native_block_partials, native_fits
+from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks, native_fits
 from compiled_attn.plan import plan_decode
 from tests.reference import reference_attention
 from tests.test_kv_formats import poison_unread
@@ -303,3 +303,25 @@ def _check_tile_path(b, index, hkv, scale, scales_and_caps):
         assert ((o.double() - ro).abs() <= bound).all()
         vector = native_block_partials(*args, k_scale, v_scale, cap)[2]  # no q_bf16_scale: the vector path
         assert (vector - o).abs().max() > 1e-5
+
+
+def test_a_block_table_that_does_not_fit_is_refused():
+    """Shapes that disagree (block_req, runs, valid, unit), a block whose row is negative (merged form) or not a row
+    of q (partials form), and sinks of the wrong size: each a ValueError naming it; nothing is read."""
+    b, index = _batch([33, 70], hq=8, hkv=2, d=64, page_size=16, block_size=32)
+    qs = scaled_queries(b.q, 2, 0.1)
+    n = int((index.block_req < 2).sum())
+    args = [qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0]
+    native_block_partials(*args)
+    for at, bad, words in ((1, index.block_req[:n].int(), "block_req must be int64"),
+                           (2, index.runs[:n - 1], "runs must be int64"),
+                           (3, index.valid[:n, :8], "unit must be an int >= 1 dividing the block size 8"),
+                           (1, index.block_req[:n] + 5, r"block_req holds a row outside \[0, 2\)"),
+                           (1, index.block_req[:n] - 9, r"block_req holds a row outside \[0, 2\)")):
+        with pytest.raises(ValueError, match=words):
+            native_block_partials(*args[:at], bad, *args[at + 1:])
+    merged = (index.block_req - 9, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2)
+    with pytest.raises(ValueError, match="outside .0, 2.*unused block"):
+        native_decode_blocks(b.q, *merged)
+    with pytest.raises(ValueError, match="sinks must hold Hkv x G = 8 logits"):
+        native_decode_blocks(b.q, index.block_req, *merged[1:], torch.zeros(3))

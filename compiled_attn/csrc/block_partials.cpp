@@ -307,10 +307,12 @@ static int run_head_size(const Problem& pr) {
 // (sinks may be nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when q is a bfloat16 query times this
 // scale (the tile path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out,
 // nullptr or [rows, nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd]
-// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h); path: the KernelPath to run.
+// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h); path: the KernelPath to run;
+// q_rows: q's rows (the partials form's blocks index them).
 // Returns 0; 1 when a head size is not a multiple of 16, 2 for an unknown kind or query layout (the caller checks
 // these before calling); 3 when a valid position's (or a seen draft key's) slot lay outside the caches (left out of
-// the result, never read); 4 when this build cannot run path for these shapes (nothing run).
+// the result, never read); 4 when this build cannot run path for these shapes; 5 when a block's row is negative
+// or (the partials form) not a row of q (nothing run).
 extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
@@ -318,8 +320,13 @@ extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_r
                                  float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
                                  void* out, int64_t num_slots, float q_bf16_scale,
                                  const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
-                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16, int path) {
+                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16, int path,
+                                 int64_t q_rows) {
   if (D % 16 || Dv % 16) return 1;
+  // every block's row is a row of q (the merged form: or rows and past it, a bucket's unused blocks): checked here,
+  // where a bad one would index q, the counting sort's counts or the partials outside their memory
+  for (int64_t b = 0; b < n; ++b)
+    if (block_req[b] < 0 || (!out && block_req[b] >= q_rows)) return 5;
   if (q_kind < 0 || q_kind > 2 || q_tokens < 1 || G % q_tokens || ((q_kind || q_tokens > 1) && !out)) return 2;
   // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
   const bool bf16_as_is = q_kind == 1 && q_bf16_scale == 1.0f;
