@@ -10,6 +10,9 @@ Two users, two modes:
   process calls it itself; SGLang spawns its scheduler and detokenizer with multiprocessing's "spawn", and their
   targets are :data:`run_scheduler_process` / :data:`run_detokenizer_process` (:class:`ChildTarget`), whose
   unpickling in the child calls :func:`apply` before the target's arguments (which import SGLang) are unpickled.
+  What SGLang's launcher starts by its own names (the data-parallel controller, attention DP's pre-started
+  schedulers: :data:`LAUNCHER_TARGETS`) becomes a :class:`ChildTarget` too, in the launching process
+  (:func:`wrap_launcher_targets`); the controller starts its schedulers with the scheduler target it is handed.
 
 The ``sgl_kernel`` stand-in is not all stubs: the ops SGLang's n-gram speculative decoding calls on CPU
 (``--speculative-algorithm NGRAM``, no draft model) are answered with the PyTorch versions in
@@ -33,7 +36,8 @@ import importlib
 import importlib.util
 import os
 import sys
-import types
+
+from .kernel_stand_in import _stand_in_installed, _StandInFinder, install_sgl_kernel_stand_in  # noqa: F401
 
 # The last SGLang release checked; a fix-up applies to versions up to the one it names (raise it after checking).
 SGLANG_0_5_23 = (0, 5, 23)
@@ -116,81 +120,6 @@ def set_cpu_engine_env() -> bool:
     return True
 
 
-class _KernelStandIn(types.ModuleType):
-    """``sgl_kernel`` for a CPU without it: the n-gram speculative ops in pure PyTorch, every other name a function
-    raising ``NotImplementedError`` when called.
-
-    SGLang's CPU modules import ``*_cpu`` kernels from ``sgl_kernel`` at module level, so the names must exist.
-    Most are called only on CPUs with AMX (and PyPI has no CPU build): a call means a path we don't support. With
-    SGLang 0.5.23 the names taken at import are ``assign_req_to_token_pool_cpu``, ``copy_all_layer_kv_cache_cpu``,
-    ``assign_extend_cache_locs_cpu``, ``assign_draft_cache_locs_contiguous_cpu``,
-    ``build_tree_kernel_efficient_cpu``, ``fill_accept_out_cache_loc_cpu``, ``fill_bonus_tokens_cpu`` and
-    ``verify_tree_greedy_cpu``; those in :data:`compiled_attn.sglang.spec_kernels_cpu.OPS` are real (what
-    ``--speculative-algorithm NGRAM`` calls), the EAGLE-only ones raise. Any name is answered, so a new import
-    doesn't break start-up.
-    """
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        from .spec_kernels_cpu import OPS
-
-        op = OPS.get(name)
-        if op is None:
-            def op(*args, **kwargs):
-                raise NotImplementedError(f"{self.__name__}.{name}: sgl_kernel is not installed (CPU-only stand-in)")
-
-            op.__name__ = op.__qualname__ = name
-        setattr(self, name, op)
-        return op
-
-
-class _StandInFinder:
-    """Meta-path finder that makes ``sgl_kernel`` importable as a :class:`_KernelStandIn`, and of its submodules only
-    ``sgl_kernel.speculative`` (holding just the ops in ``spec_kernels_cpu.SPECULATIVE_OPS``).
-
-    Other submodules stay missing on purpose: SGLang wraps ``from sgl_kernel.<sub> import ...`` in ``try/except
-    ImportError`` with CPU fallbacks (e.g. ``sgl_kernel.scalar_type``), which a stand-in would defeat; for the same
-    reason a name ``sgl_kernel.speculative`` lacks is an ``ImportError``, not a raising function.
-    """
-
-    ROOT = "sgl_kernel"
-    SPECULATIVE = "sgl_kernel.speculative"
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in (self.ROOT, self.SPECULATIVE):
-            return None
-        # the root is a package (empty __path__) so that `import sgl_kernel.speculative` reaches this finder
-        return importlib.util.spec_from_loader(fullname, self, is_package=fullname == self.ROOT)
-
-    def create_module(self, spec):
-        if spec.name == self.ROOT:
-            return _KernelStandIn(spec.name)
-        from .spec_kernels_cpu import SPECULATIVE_OPS
-
-        module = types.ModuleType(spec.name, "CPU stand-in: sgl_kernel's speculative ops in pure PyTorch")
-        module.__dict__.update(SPECULATIVE_OPS)
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def _stand_in_installed() -> bool:
-    return any(isinstance(f, _StandInFinder) for f in sys.meta_path)
-
-
-def install_sgl_kernel_stand_in() -> bool:
-    """SGLang's CPU engine imports ``sgl_kernel`` at module level and PyPI has no CPU build: answer with a stand-in
-    (n-gram speculative ops real, in PyTorch; the rest raise when called)."""
-    if _stand_in_installed():
-        return False
-    if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
-        return False  # a real sgl_kernel is installed: use it
-    sys.meta_path.append(_StandInFinder())  # appended: a real package installed later still wins
-    return True
-
-
 def skip_cpu_compile_fake_ops() -> bool:
     """``--enable-torch-compile`` registers fakes for ``sgl_kernel::*`` ops the stand-in lacks: make that a no-op.
 
@@ -267,6 +196,86 @@ def eager_cpu_moe_loop() -> bool:
     return True
 
 
+# What SGLang 0.5.23's launcher (sglang/srt/entrypoints/engine.py) starts by its own module-level names rather than
+# through Engine's replaceable run_*_process_func targets: (name there, defining module). Pickled by name, each one's
+# spawned child imports SGLang (torchvision first) to unpickle it, before any fix-up could run.
+LAUNCHER = "sglang.srt.entrypoints.engine"
+LAUNCHER_TARGETS = (
+    # the data-parallel controller (--dp-size > 1, attention DP included): engine.py:974-975
+    ("run_data_parallel_controller_process", "sglang.srt.managers.data_parallel_controller"),
+    # attention DP: each scheduler is started before the controller and waits for its ranks: engine.py:943, 956
+    ("run_scheduler_process_with_init_pipe", "sglang.srt.managers.data_parallel_controller"),
+    # --detokenizer-worker-num > 1: the router in front of the detokenizers: engine.py:1088-1089
+    ("run_multi_detokenizer_router_process", "sglang.srt.managers.multi_tokenizer_mixin"),
+)
+
+
+def wrap_launcher_targets() -> bool | None:
+    """SGLang's launcher starts the data-parallel controller (and attention DP's schedulers) with targets of its own,
+    which the children unpickle by importing SGLang before any fix-up: make each a :class:`ChildTarget`.
+
+    The controller starts its schedulers with the scheduler target the engine hands it (ours), so they are covered
+    too. Runs in the launching process, once it has imported SGLang's launcher; None (tried again at the next
+    :func:`apply`) where it has not.
+    """
+    launcher = sys.modules.get(LAUNCHER)
+    if launcher is None:
+        return None
+    wrapped = False
+    for name, module in LAUNCHER_TARGETS:
+        if hasattr(launcher, name) and not isinstance(getattr(launcher, name), ChildTarget):
+            setattr(launcher, name, ChildTarget(module, name))  # the launcher looks each name up per launch
+            wrapped = True
+    return wrapped
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` (a ``SGLANG_CPU_OMP_THREADS_BIND`` entry, a sysfs cpulist) -> ``[0, 1, 2, 3, 8, 10, 11]``."""
+    cpus: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _pin_process(cpus: list[int]) -> None:
+    """Every thread of this process onto ``cpus`` (threads started later inherit it), and torch's intra-op pool sized
+    to them, as sgl_kernel's ``init_cpu_threads_env`` does."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(len(cpus))
+
+
+def pin_rank_threads() -> bool:
+    """SGLang applies a rank's ``SGLANG_CPU_OMP_THREADS_BIND`` entry only through sgl_kernel's AMX build
+    (``init_cpu_threads_env``); with the stand-in every rank would run its threads on every CPU: pin the rank's
+    process to its entry (the string ``numa_utils.init_threads_binding`` picks for it) and size torch's pool to it."""
+    if not _stand_in_installed():
+        return False
+    from sglang.srt.utils import numa_utils
+
+    picked = numa_utils.init_threads_binding
+    if getattr(picked, "_compiled_attn_pins", False):
+        return False
+
+    def init_threads_binding(*args, **kwargs):
+        cpu_ids = picked(*args, **kwargs)
+        if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") and isinstance(cpu_ids, str):
+            _pin_process(parse_cpu_list(cpu_ids))
+        return cpu_ids
+
+    init_threads_binding._compiled_attn_pins = True
+    numa_utils.init_threads_binding = init_threads_binding  # bootstrap looks the name up per call
+    return True
+
+
 def ensure_sglang_importable() -> None:
     """Harness mode: everything before the first ``import sglang`` to run SGLang's generic path on a CPU machine.
 
@@ -288,8 +297,9 @@ def ensure_sglang_importable() -> None:
 # --- live-engine mode ------------------------------------------------------------------------------------------
 
 # (name, function, last SGLang version that needs it, needs SGLang imported). The first three must run before
-# SGLang is imported; the last patches an SGLang module, so it waits until this process has imported SGLang (the
+# SGLang is imported; the others patch SGLang modules, so they wait until this process has imported SGLang (the
 # child targets below call apply() again once SGLang is loaded), which keeps apply() cheap where SGLang is unused.
+# A fix-up that returns None found nothing to patch in this process yet; the next apply() tries it again.
 FIXUPS = (
     ("torchvision", ensure_torchvision_importable, SGLANG_0_5_23, False),
     ("cpu_engine_env", set_cpu_engine_env, SGLANG_0_5_23, False),
@@ -297,6 +307,8 @@ FIXUPS = (
     ("skip_cpu_compile_fake_ops", skip_cpu_compile_fake_ops, SGLANG_0_5_23, True),
     ("plain_layer_boundary_records", plain_layer_boundary_records, SGLANG_0_5_23, True),
     ("eager_cpu_moe_loop", eager_cpu_moe_loop, SGLANG_0_5_23, True),
+    ("pin_rank_threads", pin_rank_threads, SGLANG_0_5_23, True),
+    ("launcher_targets", wrap_launcher_targets, SGLANG_0_5_23, True),
 )
 _version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
 
@@ -315,7 +327,9 @@ def apply() -> dict[str, bool]:
             continue
         if after_sglang and "sglang" not in sys.modules:
             continue
-        APPLIED[name] = fn()
+        done = fn()
+        if done is not None:
+            APPLIED[name] = done
     return APPLIED
 
 
