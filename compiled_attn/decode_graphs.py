@@ -21,6 +21,7 @@ from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers, cdiv
 
 from . import validate
 from .compile_policy import compile_step
+from .decode import total_blocks_needed
 from .metadata import DecodeInputs, DecodeMetadata
 
 #: the per-row fields of ``DecodeInputs`` (req_rows, kv_lo, kv_hi; the other two are unbatched aranges)
@@ -34,17 +35,22 @@ class RowInput:
     """A per-row step input: trailing shape (after the batch dim), dtype, and the value padded rows get.
 
     slots: the input indexes the KV caches (``out_cache_loc``): ``DecodeGraphs.run`` checks it lies in
-        ``[0, num_slots)`` before the replay, where an index would wrap or fault instead of raising.
+        ``[0, num_slots)`` before the replay, where an index would wrap or fault instead of raising. None (the
+        default): an integer input is taken for one (checked), unless it says ``slots=False`` (token ids,
+        positions); a write outside the caches is never silent by default.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     fill: int | float = 0
-    slots: bool = False
+    slots: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"RowInput.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.slots is None:  # frozen: set through object
+            integer = not (self.dtype.is_floating_point or self.dtype.is_complex or self.dtype == torch.bool)
+            object.__setattr__(self, "slots", integer)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape):
             raise ValueError(f"RowInput.shape must be non-negative ints, got {self.shape!r}")
         if self.slots and (self.dtype.is_floating_point or self.dtype.is_complex):
@@ -200,7 +206,9 @@ class DecodeGraphs:
 
     check_slots: before each replay, check that the batch's slot inputs (``RowInput(slots=True)``) and, unless
         plan already did (``meta.slots_checked``), the req_to_token entries it reads are slots of the caches
-        (``cache_slots``): inside a replay an out-of-range index wraps or faults. A host read (a sync on CUDA).
+        (``cache_slots``): inside a replay an out-of-range index wraps or faults; and that the metadata's
+        ``blocks_needed`` covers its ranges (a hand-built one too small would drop keys). A host read (a sync on
+        CUDA).
     """
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, device: torch.device | str,
@@ -312,11 +320,16 @@ class DecodeGraphs:
                      persistent: Mapping[str, torch.Tensor]) -> None:
         """The one slot-range rule of ``plan_decode``, applied before a replay (module doc of ``validate``)."""
         num_slots = cache_slots(persistent)
+        n, planned = meta.num_real, meta.inputs
+        needed = total_blocks_needed(planned.kv_lo[:n].cpu(), planned.kv_hi[:n].cpu(), meta.block_size,
+                                     meta.page_size)
+        if meta.blocks_needed < needed:
+            raise ValueError(f"metadata blocks_needed {meta.blocks_needed} is below the {needed} blocks its ranges "
+                             "take (kv_lo, kv_hi): plan it with plan_decode, or count them with total_blocks_needed")
         for name, spec in self.row_inputs.items():
             if spec.slots and name in rows:
                 validate.check_slot_values(name, rows[name][: meta.num_real], num_slots)
         if not meta.slots_checked:
-            n, planned = meta.num_real, meta.inputs
             validate.check_slots(persistent["req_to_token"], planned.req_rows[:n].cpu(), planned.kv_lo[:n].cpu(),
                                  planned.kv_hi[:n].cpu(), num_slots)
 

@@ -8,17 +8,12 @@ from compiled_attn.decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from compiled_attn.plan import plan_decode
 
 
-def _slot_inputs(graphs):
-    graphs.row_inputs["out_cache_loc"] = RowInput((), torch.int64, slots=True)
-    return graphs
-
-
 @pytest.fixture(scope="module", params=["tiny-mha", "tiny-mla"])
 def warmed(request):
     torch._dynamo.reset()
     shape, step, graphs, persistent = _setup(model=request.param, buckets=[1, 4], max_kv=256)
     graphs.warmup(persistent)
-    return shape, step, _slot_inputs(graphs), persistent
+    return shape, step, graphs, persistent  # out_cache_loc: an integer RowInput, checked by default
 
 
 def _owned(persistent, meta):
@@ -135,7 +130,7 @@ def test_row_input_checks():
 @pytest.mark.parametrize("model", ["tiny-mha", "tiny-mla"])
 def test_cuda_graph_replay_ignores_unowned_and_refuses_bad_slots(model):
     shape, step, graphs, persistent = _setup(device="cuda", model=model, buckets=[1, 4], max_kv=256)
-    _slot_inputs(graphs).warmup(persistent)
+    graphs.warmup(persistent)
     meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(34))
     expected = graphs.run(meta, rows, persistent).clone()
     owned = _owned({k: v.cpu() for k, v in persistent.items()}, meta).cuda()
@@ -148,3 +143,25 @@ def test_cuda_graph_replay_ignores_unowned_and_refuses_bad_slots(model):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="out_cache_loc"):
         graphs.run(meta, dict(rows, out_cache_loc=torch.full_like(rows["out_cache_loc"], -1)), persistent)
+
+
+def test_integer_row_inputs_are_checked_slots_unless_they_say_not():
+    """An integer per-row input (a write location) is checked against the caches by default; token ids and
+    positions opt out with ``slots=False``; floats and bools are never slots."""
+    from compiled_attn.decode_graphs import RowInput
+
+    assert RowInput((), torch.int64).slots and RowInput((), torch.int32).slots
+    assert not RowInput((), torch.int64, slots=False).slots
+    assert not RowInput((4,), torch.float32).slots and not RowInput((), torch.bool).slots
+
+
+def test_replay_refuses_metadata_whose_blocks_needed_is_short(warmed):
+    """A hand-built DecodeMetadata whose ``blocks_needed`` is below what its ranges take would pick a bucket too
+    small and drop keys: refused before the replay, naming the field."""
+    import dataclasses
+
+    shape, _, graphs, persistent = warmed
+    meta, rows = _batch(shape, persistent, 3, torch.Generator().manual_seed(32))
+    short = dataclasses.replace(meta, blocks_needed=1)
+    with pytest.raises(ValueError, match=rf"metadata blocks_needed 1 is below the {meta.blocks_needed} blocks"):
+        graphs.run(short, rows, persistent)

@@ -215,7 +215,8 @@ class CompiledBackend(EagerBackend):
         self.extend_graphs: ExtendGraphs | None = None
 
     def setup(self, model, persistent, device, max_context) -> dict:
-        rows = {"tokens": RowInput((), torch.int64, 0), "positions": RowInput((), torch.int64, 0),
+        rows = {"tokens": RowInput((), torch.int64, 0, slots=False), "positions": RowInput((), torch.int64, 0,
+                                                                                            slots=False),
                 "out_loc": RowInput((), torch.int64, PAD_SLOT)}
         self.graphs = DecodeGraphs(make_decode_step(model), config=self.config, device=device, row_inputs=rows)
         t0 = time.perf_counter()
