@@ -25,6 +25,7 @@ All functions here are pure tensor code: no ``.item()``, no host sync, no value-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -111,8 +112,27 @@ def total_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: in
                for lo, hi in zip(kv_lo.tolist(), kv_hi.tolist(), strict=True) if hi > lo)
 
 
+class SlotMap(NamedTuple):
+    """A slot translation: the caches a layer reads are indexed by ``table[slot]`` of the slots ``req_to_token``
+    holds (SGLang's hybrid sliding-window pool: ``SWAKVPool.full_to_swa_index_mapping``, a full-pool slot to its
+    slot in the window layers' own pool). num_slots: the rows of the caches read through it."""
+
+    table: torch.Tensor
+    num_slots: int
+
+
+def translate_slots(slots: torch.Tensor, slot_map: SlotMap | None) -> torch.Tensor:
+    """``slots`` (int64, any shape) through ``slot_map`` (None: as they are): pure tensor code. The slot is clamped
+    into the table and the translation into ``[0, num_slots)``, so no entry reads outside the caches (SGLang's
+    table ends with a -1 sentinel, and holds 0, the padding slot, for tokens freed from the window)."""
+    if slot_map is None:
+        return slots
+    table, num_slots = slot_map
+    return table[slots.clamp(0, table.shape[0] - 1)].to(torch.int64).clamp(0, num_slots - 1)
+
+
 def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_size: int = 1, *,
-                       host_form: bool = True) -> DecodeIndex:
+                       host_form: bool = True, slot_map: SlotMap | None = None) -> DecodeIndex:
     """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
 
     req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs``, or a
@@ -121,17 +141,20 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_si
     ``units`` names runs of ``gcd(page_size, block_size)`` consecutive slots and blocks start at run boundaries.
     host_form: a batch of one on CPU, called eagerly, is indexed on the host (``_single_request_index``); False
     keeps the pure tensor form (metadata a graph records, or that compiled code receives as an input).
+    slot_map: the index's slots translated (``translate_slots``); ``req_to_token`` and ``inputs`` of the index are
+    then those of a table of translated slots (the block slots as one row), which the Triton form reads.
     """
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
     unit = gather_unit(page_size, block_size)
     if host_form and bs == 1 and req_to_token.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _single_request_index(req_to_token, inputs, unit)
-    return _batched_index(req_to_token, inputs, unit)
+        return _single_request_index(req_to_token, inputs, unit, slot_map)
+    return _batched_index(req_to_token, inputs, unit, slot_map)
 
 
-def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
+def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
+                   slot_map: SlotMap | None = None) -> DecodeIndex:
     """``build_decode_index`` as pure tensor code (any batch, any device, traceable)."""
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     bs = req_rows.shape[0]
@@ -154,16 +177,22 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) 
     # NaN gathered there survives any mask that multiplies or adds (0 * NaN, -inf + NaN). The kernels then only
     # ever see finite keys they mask out; an unused block (its row is discarded) reads the padding slot.
     pos = torch.where(valid, pos, torch.where(used, start, 0)[:, None])
-    slots = req_to_token[req_rows[req][:, None], pos].to(torch.int64)
+    slots = translate_slots(req_to_token[req_rows[req][:, None], pos].to(torch.int64), slot_map)
     slots = torch.where(used[:, None], slots, 0)
     # a run's first position is valid, or is its block's start (same run as the block's first valid position), so
     # its slot names the run; runs wholly past the end name the block's first run (read, then zeroed)
     units = slots[:, ::unit] // unit if unit > 1 else None
+    if slot_map is not None:  # a request's positions lie in its blocks in order: the block slots as one table row
+        shift, width = firsts * block_size - kv_start, slots.numel()
+        inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=(kv_lo + shift).clamp(0, width),
+                                 kv_hi=(kv_hi + shift).clamp(0, width))
+        req_to_token = slots.reshape(1, -1).to(torch.int32)
     return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units,
                        req_to_token=req_to_token, inputs=inputs)
 
 
-def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int) -> DecodeIndex:
+def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
+                          slot_map: SlotMap | None = None) -> DecodeIndex:
     """``build_decode_index`` of a batch of one on CPU, eagerly: the request's range read on the host (a CPU tensor:
     no sync) and its key slots as one slice of its table row (``single``); the block table, equal to the general
     form's, is built from that slice only if something reads it. Why: at batch 1 and a short context the general
@@ -174,11 +203,15 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     row, lo, hi = req_rows.item(), kv_lo.item(), kv_hi.item()
     start = lo - lo % unit
     nblk = min(cdiv(hi - start, block_size), capacity) if hi > lo else 0
-    raw = req_to_token[row, start:start + nblk * block_size].to(torch.int64)
+    raw = translate_slots(req_to_token[row, start:start + nblk * block_size].to(torch.int64), slot_map)
     # the request's keys in order (a view; hi <= the table's width): only when no block was cut by the capacity
     single = raw[lo - start:hi - start] if nblk * block_size >= hi - start else None
     index = _SingleRequestIndex(raw, lo - start, hi - start, nblk, capacity, block_size, unit, single)
     index.req_to_token, index.inputs = req_to_token, inputs
+    if slot_map is not None:  # the translated slots as the table (as the general form's)
+        index.req_to_token = raw[None].to(torch.int32)
+        index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
+                                       kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
 
 

@@ -27,7 +27,7 @@ import torch
 
 from graphs import cdiv
 
-from .decode import merge_blocks, sinks_by_kv_head
+from .decode import SlotMap, merge_blocks, sinks_by_kv_head, translate_slots
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
 from .kv_dtype import dequantize, gather_rows, scale_pair
 from .metadata import ExtendMetadata
@@ -202,16 +202,18 @@ class ExtendTileIndex:
 
 
 def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs, *, causal: bool,
-                            sliding_window: int | None, with_mask: bool = True) -> ExtendTileIndex:
+                            sliding_window: int | None, with_mask: bool = True,
+                            slot_map: SlotMap | None = None) -> ExtendTileIndex:
     """Pure tensor code (no host sync). req_to_token: [max_reqs, max_context_len] int32; inputs:
     ``plan_extend_tiles(...).inputs`` (pair tensors [P]; q_ids: [TQ], k_ids: [TK] aranges).
     with_mask: build the [P, TQ, TK] mask the matmul form needs (the CPU flash form does without: in eager mode
-    it was most of the index's cost).
+    it was most of the index's cost). slot_map: the key slots translated (``decode.translate_slots``).
     """
     pair_row, kv_start, k_count, q_start, q_count, q_rel, full, q_ids, k_ids = inputs
     k_valid = k_ids[None, :] < k_count[:, None]  # [P, TK]
     pos = torch.where(k_valid, kv_start[:, None] + k_ids[None, :], 0)
-    slots = torch.where(k_valid, req_to_token[pair_row[:, None], pos].to(torch.int64), 0)
+    slots = translate_slots(req_to_token[pair_row[:, None], pos].to(torch.int64), slot_map)
+    slots = torch.where(k_valid, slots, 0)
     q_valid = q_ids[None, :] < q_count[:, None]  # [P, TQ]
     q_rows = torch.where(q_valid, q_start[:, None] + q_ids[None, :], -1)
     mask = None
@@ -320,10 +322,11 @@ def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale:
 
 
 def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, flash: bool, *, tile_q: int | None = None,
-               tile_k: int = 64, pair_capacity: int | None = None) -> ExtendTileIndex:
+               tile_k: int = 64, pair_capacity: int | None = None, slot_map: SlotMap | None = None) -> ExtendTileIndex:
     """Eager, once per step: plan the tiles of a planned batch and build the index its layers share, for the form
-    ``flash`` picks (the CPU flash form needs no mask; ``tile_q`` defaults to the form's ``default_tile_q``)."""
+    ``flash`` picks (the CPU flash form needs no mask; ``tile_q`` defaults to the form's ``default_tile_q``);
+    slot_map: as ``build_extend_tile_index``'s."""
     tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(flash), tile_k=tile_k,
                               pair_capacity=pair_capacity)
     return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
-                                   sliding_window=tiles.sliding_window, with_mask=not flash)
+                                   sliding_window=tiles.sliding_window, with_mask=not flash, slot_map=slot_map)

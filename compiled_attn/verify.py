@@ -38,7 +38,15 @@ import torch
 
 from . import validate
 from .api import _scale, v_is_prefix_of_k
-from .decode import DecodeIndex, build_decode_index, gather_unit, merge_blocks, sinks_by_kv_head
+from .decode import (
+    DecodeIndex,
+    SlotMap,
+    build_decode_index,
+    gather_unit,
+    merge_blocks,
+    sinks_by_kv_head,
+    translate_slots,
+)
 from .decode_fused import gather_heads_float, used_block_partials
 from .forms import FUSED_MAX_ROWS, NATIVE_MAX_ROWS, choose_form, explain
 from .kernels.triton_form import triton_verify_blocks
@@ -65,7 +73,8 @@ class VerifyIndex:
     draft_slots: [bs_cap, e + k] int64, KV slot of each key of the small masked block: the ``e`` edge keys just
                  below ``lo`` (``k - 1 + unit - 1`` under a window, else none), then the ``k`` draft keys
     draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
-    inputs:      what the index was built from (a windowed layer's index is built from the same inputs)
+    inputs:      what the index was built from (a windowed layer's index is built from the same inputs); built with
+                 a ``slot_map``: the inputs over its table of translated slots (``prefix.req_to_token``)
     sliding_window: the layer's window it was built for, or None
     """
 
@@ -77,7 +86,8 @@ class VerifyIndex:
 
 
 def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_size: int = 1, *,
-                       host_form: bool = True, sliding_window: int | None = None) -> VerifyIndex:
+                       host_form: bool = True, sliding_window: int | None = None,
+                       slot_map: SlotMap | None = None) -> VerifyIndex:
     """The prefix blocks (``build_decode_index``, ``host_form`` as there) and the masked block's slots; pure tensor
     code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs`` or static buffers.
 
@@ -87,7 +97,12 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
     rounded up to a page run), which every token sees whole; the ``k - 1 + unit - 1`` positions below ``lo`` join
     the draft keys in the small masked block, each row seeing those inside its window. So the shapes stay those of
     the batch (that many more keys), graph-ready, and every prefix form reads the blocks as it does without a
-    window (their valid keys one run from the first block's start)."""
+    window (their valid keys one run from the first block's start).
+
+    slot_map: every slot translated (``decode.translate_slots``: SGLang's hybrid sliding-window pool), an edge key
+    that no row sees read as the row's first draft key (a position the pool may have freed from the window is
+    never gathered), and the Triton form's table (``prefix.req_to_token``, with ``inputs`` over it) the translated
+    slots of each row's positions from ``prefix_len - w`` on (``w + k`` of them; every position without a window)."""
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
     draft_pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
@@ -105,7 +120,17 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
         seen = torch.cat([(edge_pos >= 0)[:, None, :].expand(-1, k, -1), mask], 2)
         mask = seen & (key_pos[:, None, :] >= (prefix[:, None] + depth - sliding_window)[:, :, None])
     blocks = build_decode_index(req_to_token, DecodeInputs(rows, lo, prefix, block_ids, block_offsets), page_size,
-                                host_form=host_form)
+                                host_form=host_form, slot_map=slot_map)
+    if slot_map is not None:
+        draft_slots = translate_slots(draft_slots, slot_map)
+        draft_slots = torch.where(mask.any(1), draft_slots, draft_slots[:, -k:][:, :1])
+        width = req_to_token.shape[1] if sliding_window is None else sliding_window + k
+        base = torch.zeros_like(prefix) if sliding_window is None else (prefix - sliding_window).clamp_min(0)
+        pos = (base[:, None] + torch.arange(width, device=prefix.device)).clamp_max(req_to_token.shape[1] - 1)
+        table = translate_slots(req_to_token[rows[:, None], pos].to(torch.int64), slot_map)
+        blocks.req_to_token = table.to(torch.int32)
+        inputs = inputs._replace(req_rows=torch.arange(rows.shape[0], device=rows.device), prefix_lens=prefix - base)
+        blocks.inputs = DecodeInputs(inputs.req_rows, lo - base, prefix - base, block_ids, block_offsets)
     return VerifyIndex(prefix=blocks, draft_slots=draft_slots, draft_mask=mask, inputs=inputs,
                        sliding_window=sliding_window)
 

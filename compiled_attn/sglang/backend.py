@@ -9,32 +9,11 @@ Per forward, ``init_forward_metadata`` records the batch; the host-side plan (``
 and the per-step index (``build_decode_index`` / ``build_extend_tile_index``) are built once per *layer configuration*
 ``(sliding window, cross-attention, causal)`` on its first layer and shared by every later layer of that forward.
 
-Graphs (decode here; ``TARGET_VERIFY``, which SGLang captures under speculative decoding, in
-``speculative_graphs``): SGLang keys a graph by batch size alone, so the KV work a graph does is fixed when it is
-captured. Each batch size ``bs`` gets a block capacity (blocks of ``block_size`` KV tokens; the flat list of all
-requests' blocks is what ``decode_blocks`` computes over)::
-
-    capacity(bs) = min(bs * ceil(max_context_len / block_size),         # every request at full context
-                       ceil(kv_tokens / block_size) + bs)               # the pool's tokens, + one partial block/row
-
-``kv_tokens`` is the KV pool's size (the sum of a batch's lengths can't exceed the pool's slots, except when
-requests share a radix-cached prefix: the same slots then count once per request), or the environment variable
-``COMPILED_ATTN_GRAPH_KV_TOKENS``. The trade-off: unused blocks read the padding slot 0 (cheap, cached) and are
-masked, but still cost their share of compute in every replay. A large pool with short requests therefore pays for
-the capacity, not for the real lengths: lower ``COMPILED_ATTN_GRAPH_KV_TOKENS`` to the most KV tokens a decode batch
-really reads; a batch beyond the capacity then raises a ``ValueError`` naming the variable (CUDA graphs) or runs
-with exact-size metadata (CPU graph runner: one more compile).
-
-Prefill graphs (``--cuda-graph-backend-prefill``, SGLang 0.5.23's ``model_executor/runner/
-prefill_cuda_graph_runner.py``): ``breakable``, the CUDA default, captures the model's body between attention layers.
-``RadixAttention.forward`` runs attention as an eager break there (``_eager_attention``, ``eager_on_graph``): at
-replay it reads the step's batch (``get_forward_batch()``, the runner's view over its static buffers), narrows q/k/v
-and ``out_cache_loc`` to the real tokens and calls ``forward_extend``, after the runner called
-``init_forward_metadata`` on the step's batch. Eager extend serves that as it is: its metadata is planned per
-forward from the batch the layer is handed. The capture's own runs (warmups and the recorded one, on a dummy batch
-whose request rows hold no pages) return zeros without planning or writing KV: their output is never read. ``full``
-records attention inside one graph per token bucket, and extend plans on the host: its first hook
-(``init_forward_metadata_out_graph`` on an extend batch) refuses it, naming the values to pass instead.
+Hybrid sliding-window memory (``SWAKVPool``): a window layer is a configuration of its own, its slots translated
+through the pool's ``full_to_swa_index_mapping`` as its index is built (``decode.translate_slots``; its K/V written
+at the translated ``out_cache_loc``). Graphs: one block capacity per batch size (``graph_block_capacity``); prefill
+graphs: ``breakable`` served by eager extend, ``full`` refused. docs/design.md ("The SGLang backend") says how each
+works and why.
 """
 from __future__ import annotations
 
@@ -50,7 +29,16 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..api import v_is_prefix_of_k
 from ..compile_policy import allow_data_dependent_sizes
-from ..decode import DecodeIndex, build_decode_index, decode_blocks, total_blocks_needed
+from ..decode import (
+    DecodeIndex,
+    SlotMap,
+    aligned_kv_lo,
+    build_decode_index,
+    decode_blocks,
+    gather_unit,
+    total_blocks_needed,
+    translate_slots,
+)
 from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
 from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
 from ..metadata import DecodeInputs
@@ -59,23 +47,28 @@ from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
     GraphState,
+    SwaPool,
     capturing_prefill_graph,
+    check_full_slots,
     check_graph_blocks,
     check_kwargs,
     check_mode,
+    extend_over_given_kv,
     graph_batch_size,
     graph_block_capacity,
     host_int64,
     layer_logit_cap,
     layer_window,
+    swa_pool_of,
 )
-from .speculative import VERIFY_KEY, forward_target_verify
+from .speculative import VERIFY_KEY, forward_target_verify, verify_state
 from .speculative_graphs import verify_in_graph, verify_out_graph, verify_refill_after_draft
 
 SEQ_LEN_FILL_VALUE = 1  # padded graph rows: request row 0, one key (slot 0), finite output that is dropped
 
-# (sliding window or None, is cross-attention); extend adds causal (and its index key, the CPU flash form)
-DecodeKey = tuple[int | None, bool]
+# (sliding window or None, is cross-attention), and True for a window layer of a hybrid sliding-window pool (its slots
+# translated); extend adds causal (and its index key, the CPU flash form and the translation)
+DecodeKey = tuple  # (int | None, bool) or (int | None, bool, True)
 ExtendKey = tuple[int | None, bool, bool]
 
 
@@ -88,6 +81,7 @@ class _ForwardState:
     decode: dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
     extend: dict[tuple, ExtendTileIndex] = field(default_factory=dict)  # ExtendKey + (CPU flash form,)
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # static: rows, lens, enc
+    swa_loc: torch.Tensor | None = None  # out_cache_loc translated to the window layers' pool (hybrid SWA pool)
 
 
 class CompiledAttnBackend(AttentionBackend):
@@ -96,8 +90,10 @@ class CompiledAttnBackend(AttentionBackend):
     Supports MHA, GQA/MQA, ``qk_head_dim != v_head_dim`` (MLA "normal" 192/128 on an MHA pool, and on an MLA
     pool with ``save_kv_cache=False``, attending over the batch's own K/V), absorbed MLA over
     ``MLATokenToKVPool`` (576/512, V read as a view of K), sliding window, ``ENCODER_ONLY`` (non-causal),
-    cross-attention (``encoder_lens`` / ``encoder_out_cache_loc``) and tanh logit soft-capping
-    (``RadixAttention.logit_cap``; SGLang's ``torch_native`` ignores it).
+    cross-attention (``encoder_lens`` / ``encoder_out_cache_loc``), tanh logit soft-capping
+    (``RadixAttention.logit_cap``; SGLang's ``torch_native`` ignores it) and hybrid sliding-window memory
+    (``SWAKVPool``: the window layers' K/V in a pool of their own, read through its slot mapping; module docstring).
+    Pool variants it cannot read are refused here, with the server flag that avoids them (``swa_pool_of``).
     """
 
     def __init__(self, model_runner, *, block_size: int = DEFAULT_BLOCK_SIZE):
@@ -105,11 +101,7 @@ class CompiledAttnBackend(AttentionBackend):
         self.device = torch.device(model_runner.device)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        if type(self.token_to_kv_pool).__name__ == "SWAKVPool":
-            raise NotImplementedError("compiled_attn: hybrid sliding-window KV pools (SWAKVPool: the window layers' "
-                                      "KV in a pool of their own) are not supported yet; start the server with "
-                                      "--disable-hybrid-swa-memory (one pool: the window layers are masked to their "
-                                      "window, their KV kept for the full context) or use another attention backend")
+        self.swa: SwaPool | None = swa_pool_of(self.token_to_kv_pool)  # hybrid sliding-window memory, or None
         self.block_size = block_size
         # SGLang's --page-size: a request's pages are runs of consecutive slots, gathered as runs
         self.page_size = int(getattr(self.token_to_kv_pool, "page_size", 1) or 1)
@@ -244,7 +236,7 @@ class CompiledAttnBackend(AttentionBackend):
         if hi.numel() and int(hi.max()) > width:
             raise ValueError(f"compiled_attn: a request reaches position {int(hi.max())}, beyond the "
                              f"req_to_token width {width} (max_context_len)")
-        for window, cross in self.decode_keys:
+        for window, cross, *_ in self.decode_keys:
             lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
             needed = total_blocks_needed(lo, hi, self.block_size, self.page_size)
             check_graph_blocks(lambda lo=lo, hi=hi: f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)",
@@ -292,7 +284,7 @@ class CompiledAttnBackend(AttentionBackend):
         bs = lens.shape[0]
         lens = lens.to(torch.int64)
         base = enc.to(torch.int64) if enc is not None else torch.zeros_like(lens)
-        window, cross = key
+        window, cross = key[:2]
         lo, hi = decode_kv_range(lens, base, window, cross)
         g.req_rows[:bs].copy_(rows)
         g.kv_lo[:bs].copy_(lo)
@@ -300,7 +292,33 @@ class CompiledAttnBackend(AttentionBackend):
         inputs = DecodeInputs(g.req_rows[:bs], g.kv_lo[:bs], g.kv_hi[:bs], g.block_ids[: self.graph_block_capacity(bs)],
                               g.block_offsets)
         # pure tensor code: recorded into a CUDA graph, or handed to CPUGraphRunner's compiled forward
-        return build_decode_index(self.req_to_token, inputs, self.page_size, host_form=False)
+        return build_decode_index(self.req_to_token, inputs, self.page_size, host_form=False,
+                                  slot_map=self._slot_map(key))
+
+    # ------------------------------------------------------------------ hybrid sliding-window pool
+
+    def is_window_pool_layer(self, layer) -> bool:
+        """The layer keeps its K/V in the window layers' pool of a hybrid sliding-window pool (slots translated)."""
+        return self.swa is not None and self.swa.is_window_layer(layer)
+
+    def _slot_map(self, key: tuple) -> SlotMap | None:
+        """The slot translation of a layer configuration (its key's third element: a window-pool layer), or None."""
+        return self.swa.slot_map if len(key) > 2 and key[2] else None
+
+    def _layer_key(self, window: int | None, cross: bool, layer) -> tuple:
+        return (window, cross, True) if self.is_window_pool_layer(layer) else (window, cross)
+
+    def check_full_slots(self, rows, lo, hi) -> None:
+        """Over a hybrid sliding-window pool: the plans' table checks, against the full pool (``check_full_slots``)."""
+        check_full_slots(self.req_to_token, rows, lo, hi, self.swa.full_slots, self.page_size)
+
+    def _swa_write_loc(self, state: _ForwardState | None, loc: torch.Tensor) -> torch.Tensor:
+        """``loc`` in the window layers' pool: translated once per forward (in graphs, by the first layer's write)."""
+        if state is None:
+            return translate_slots(loc.to(torch.int64), self.swa.slot_map)
+        if state.swa_loc is None:
+            state.swa_loc = translate_slots(loc.to(torch.int64), self.swa.slot_map)
+        return state.swa_loc
 
     # ------------------------------------------------------------------ forward
 
@@ -315,28 +333,31 @@ class CompiledAttnBackend(AttentionBackend):
                 for n in ("k", "v"))
         return scales
 
-    def _write_kv(self, layer, forward_batch, k, v, save_kv_cache):
+    def _write_kv(self, layer, forward_batch, k, v, save_kv_cache, state=None):
         if save_kv_cache and k is not None and v is not None:
             loc = forward_batch.encoder_out_cache_loc if layer.is_cross_attention else forward_batch.out_cache_loc
             k_scale, v_scale = self._layer_scales(layer)
             # a float8 cache stores value / scale (the readers multiply it back); divided here, not in place
             k = k if k_scale is None else k / k_scale
             v = v if v_scale is None else v / v_scale
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+            # a hybrid sliding-window pool writes a window layer at its own slots (SWAKVPool.set_kv_buffer asserts
+            # they are given), the others at loc; cross-attention never goes to the window pool
+            swa_loc = self._swa_write_loc(state, loc) if self.is_window_pool_layer(layer) else None
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, swa_loc), k, v)
 
-    def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
+    def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, state=None):
         """Shared by decode and extend: check extras, write the new K/V, view q, fetch this layer's caches."""
         check_kwargs(kwargs)
-        self._write_kv(layer, forward_batch, k, v, save_kv_cache)
+        self._write_kv(layer, forward_batch, k, v, save_kv_cache, state)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         return q3, k_cache, v_cache, bool(layer.is_cross_attention)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
-        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        key = (None if cross else layer_window(layer), cross)
         state = self._state_for(forward_batch, decode=True)
+        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs, state)
+        key = self._layer_key(None if cross else layer_window(layer), cross, layer)
         index = state.decode.get(key)
         if index is None:
             self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
@@ -346,8 +367,13 @@ class CompiledAttnBackend(AttentionBackend):
                 meta = plan_decode(q3, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
                                    forward_batch.seq_lens, sliding_window=key[0],
                                    encoder_lens=forward_batch.encoder_lens, is_cross_attn=cross,
-                                   block_size=self.block_size, page_size=self.page_size)
-                index = build_decode_index(self.req_to_token, meta.inputs, self.page_size)
+                                   block_size=self.block_size, page_size=self.page_size,
+                                   check_slots=self.swa is None)
+                i = meta.inputs
+                if self.swa is not None:
+                    start = aligned_kv_lo(i.kv_lo, gather_unit(self.page_size, self.block_size))
+                    self.check_full_slots(i.req_rows, start, i.kv_hi)
+                index = build_decode_index(self.req_to_token, i, self.page_size, slot_map=self._slot_map(key))
             state.decode[key] = index
         k_scale, v_scale = self._layer_scales(layer)
         o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
@@ -359,8 +385,10 @@ class CompiledAttnBackend(AttentionBackend):
             # a breakable prefill graph's capture: the dummy batch's output is never read (each replay runs attention
             # again, eagerly, on the step's batch) and its request rows hold no pages; nothing to plan or write
             return q.new_zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        if forward_batch.forward_mode.is_target_verify():  # k draft tokens per request (speculative.py)
+        verify = forward_batch.forward_mode.is_target_verify()
+        state = verify_state(self, forward_batch) if verify else self._state_for(forward_batch, decode=False)
+        q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs, state)
+        if verify:  # k draft tokens per request (speculative.py)
             return forward_target_verify(self, q3, k_cache, v_cache, layer, forward_batch, sinks)
         causal = not (cross or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY)
         key = (layer_window(layer) if causal else None, cross, causal)
@@ -368,41 +396,22 @@ class CompiledAttnBackend(AttentionBackend):
         if k_cache.shape[1:] != (layer.tp_k_head_num, layer.qk_head_dim):
             # the layer's K doesn't live in this pool (DeepSeek's MHA prefill over the MLA latent pool, called with
             # save_kv_cache=False): attend over the batch's own K/V
-            return self._extend_over_given_kv(q3, k, v, layer, fb, key, sinks)
+            return extend_over_given_kv(q3, k, v, layer, fb, key, sinks)
         cap = layer_logit_cap(layer)
         flash = supports_tile_flash(q3, k_cache, v_cache, cap)
-        state = self._state_for(fb, decode=False)
-        index = state.extend.get((*key, flash))
+        swa = self.is_window_pool_layer(layer)
+        index = state.extend.get((*key, flash, swa))
         if index is None:
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
-                               encoder_lens=fb.encoder_lens, is_cross_attn=cross, page_size=self.page_size)
-            index = state.extend[(*key, flash)] = tile_index(self.req_to_token, meta, flash)
+                               encoder_lens=fb.encoder_lens, is_cross_attn=cross, page_size=self.page_size,
+                               check_slots=self.swa is None)
+            i = meta.inputs
+            if self.swa is not None:
+                self.check_full_slots(i.req_rows, i.kv_lo, i.kv_lo + i.kv_len)
+            index = state.extend[(*key, flash, swa)] = tile_index(self.req_to_token, meta, flash,
+                                                                  slot_map=self.swa.slot_map if swa else None)
         k_scale, v_scale = self._layer_scales(layer)
         o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
                          v_scale=v_scale, sinks=sinks)
-        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-    def _extend_over_given_kv(self, q3, k, v, layer, fb, key, sinks=None):
-        if k is None or v is None or key[1]:
-            raise NotImplementedError(f"compiled_attn: layer {layer.layer_id}'s K shape "
-                                      f"({layer.tp_k_head_num}, {layer.qk_head_dim}) does not match the KV pool")
-        prefix = host_int64(getattr(fb, "extend_prefix_lens_cpu", None), fb.extend_prefix_lens)
-        if prefix.numel() and int(prefix.max()) > 0:
-            raise NotImplementedError("compiled_attn: extend with a cached prefix over K/V that is not in the pool "
-                                      "(MLA chunked-prefix MHA) is not supported yet")
-        lens = host_int64(getattr(fb, "extend_seq_lens_cpu", None), fb.extend_seq_lens)
-        bs, width = lens.shape[0], max(int(lens.max()), 1) if lens.numel() else 1
-        starts = torch.cumsum(lens, 0) - lens
-        # a request-to-token table over the batch's packed tokens: request b's position j is token starts[b] + j
-        table = (starts[:, None] + torch.arange(width)[None, :]).clamp_max(max(q3.shape[0] - 1, 0))
-        table, lens_dev = table.to(torch.int32).to(q3.device), lens.to(q3.device)
-        k3 = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
-        v3 = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
-        meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
-                           lens_dev, causal=key[2], sliding_window=key[0])
-        cap = layer_logit_cap(layer)
-        flash = supports_tile_flash(q3, k3, v3, cap)
-        o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash,
-                         sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

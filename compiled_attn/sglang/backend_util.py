@@ -9,8 +9,10 @@ import torch
 
 from graphs import cdiv
 
-from ..decode import gather_unit
-from ..plan import normalize_window
+from .. import validate
+from ..decode import SlotMap, gather_unit
+from ..extend import extend_tiles, supports_tile_flash, tile_index
+from ..plan import normalize_window, plan_extend
 
 #: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
@@ -104,3 +106,105 @@ def check_kwargs(kwargs) -> None:
     extra = sorted(name for name, value in kwargs.items() if value is not None)
     if extra:
         raise NotImplementedError(f"compiled_attn: attention arguments {extra} are not supported")
+
+
+# ------------------------------------------------------------------ hybrid sliding-window pools
+
+
+@dataclass
+class SwaPool:
+    """SGLang's hybrid sliding-window pool (``SWAKVPool``): the window layers keep their K/V in a pool of their own
+    (``swa_kv_pool``, ``num_slots`` rows), reached through ``full_to_swa_index_mapping`` (a full-pool slot, what
+    ``req_to_token`` holds, to its slot there; 0 for a token freed from the window, a -1 sentinel at its end).
+    Which layers: ``layers_mapping`` (layer id -> (index in its pool, is a window layer))."""
+
+    pool: object
+    num_slots: int
+
+    def is_window_layer(self, layer) -> bool:
+        """The layer's K/V lives in the window layers' pool (cross-attention never does: SGLang writes it full)."""
+        if getattr(layer, "is_cross_attention", False):
+            return False
+        return bool(self.pool.layers_mapping.get(layer.layer_id, (0, False))[1])
+
+    @property
+    def slot_map(self) -> SlotMap:
+        """The full-to-window slot translation (read at each use: SGLang registers it after building the pool, and
+        keeps the same tensor, updated in place, for the server's life)."""
+        table = getattr(self.pool, "full_to_swa_index_mapping", None)
+        if table is None:
+            raise RuntimeError("compiled_attn: the SWAKVPool has no full_to_swa_index_mapping registered (SGLang's "
+                               "SWATokenToKVPoolAllocator registers it when it is built)")
+        return SlotMap(table, self.num_slots)
+
+    @property
+    def full_slots(self) -> int:
+        """The slots ``req_to_token`` entries index: the mapping's entries but its sentinel."""
+        return self.slot_map.table.shape[0] - 1
+
+
+def swa_pool_of(pool) -> SwaPool | None:
+    """``SwaPool`` of SGLang's hybrid sliding-window pool, None for any other pool; a variant this backend cannot
+    serve is refused (``NotImplementedError``, one line naming the server flag that avoids it)."""
+    names = [c.__name__ for c in type(pool).__mro__]
+    if "BaseSWAKVPool" not in names and "SWAKVPool" not in names:
+        return None
+    name = names[0]
+    if "UnifiedSWAKVPool" in names:
+        raise NotImplementedError(f"compiled_attn: {name} (full and window layers' K/V in one shared buffer) is not "
+                                  f"supported; start the server without --enable-unified-memory")
+    problem = None
+    window_pool = getattr(pool, "swa_kv_pool", None)
+    if name != "SWAKVPool":
+        problem = "a pool other than SWAKVPool"
+    elif getattr(pool, "swa_req_ring_size", None) is not None or getattr(pool, "request_window", None) is not None:
+        problem = "window K/V in per-request rings, without a full-to-window slot mapping"
+    elif getattr(pool, "swa_uses_full_indices", False):
+        problem = "window K/V indexed by full-pool slots"
+    elif window_pool is None or type(window_pool).__name__ != "MHATokenToKVPool" or not hasattr(pool, "layers_mapping"):
+        problem = "window layers' K/V not in an MHA pool"
+    if problem is not None:
+        raise NotImplementedError(f"compiled_attn: this hybrid sliding-window KV pool ({name}: {problem}) is not "
+                                  f"supported; start the server with --disable-hybrid-swa-memory (one pool, the "
+                                  f"window layers masked to their window)")
+    rows = min(window_pool.get_key_buffer(0).shape[0], window_pool.get_value_buffer(0).shape[0]) \
+        if pool.swa_layer_nums > 0 else int(pool.size_swa) + int(pool.page_size)
+    return SwaPool(pool, int(rows))
+
+
+def check_full_slots(req_to_token: torch.Tensor, rows, lo, hi, num_slots: int, page_size: int) -> None:
+    """The host checks a plan makes of the table entries a batch reads (``validate.check_slots`` and, paged,
+    ``check_page_layout``; rows, lo, hi: [bs], read on the host), against the full pool's ``num_slots``: over a
+    hybrid sliding-window pool the plans skip theirs, which count the rows of the caches they are handed (a window
+    layer's, reached through the slot map, are fewer)."""
+    rows, lo, hi = (host_int64(None, t) for t in (rows, lo, hi))
+    validate.check_slots(req_to_token, rows, lo, hi, num_slots)
+    validate.check_page_layout(req_to_token, rows, lo, hi, page_size)
+
+
+def extend_over_given_kv(q3, k, v, layer, fb, key, sinks=None):
+    """A layer whose K does not live in the pool (DeepSeek's MHA prefill over the MLA latent pool, called with
+    ``save_kv_cache=False``): extend over the batch's own K/V, packed as q3 [num_tokens, Hq, Dqk]; key: the layer's
+    (window, cross, causal). -> [num_tokens, Hq * Dv]."""
+    if k is None or v is None or key[1]:
+        raise NotImplementedError(f"compiled_attn: layer {layer.layer_id}'s K shape "
+                                  f"({layer.tp_k_head_num}, {layer.qk_head_dim}) does not match the KV pool")
+    prefix = host_int64(getattr(fb, "extend_prefix_lens_cpu", None), fb.extend_prefix_lens)
+    if prefix.numel() and int(prefix.max()) > 0:
+        raise NotImplementedError("compiled_attn: extend with a cached prefix over K/V that is not in the pool "
+                                  "(MLA chunked-prefix MHA) is not supported yet")
+    lens = host_int64(getattr(fb, "extend_seq_lens_cpu", None), fb.extend_seq_lens)
+    bs, width = lens.shape[0], max(int(lens.max()), 1) if lens.numel() else 1
+    starts = torch.cumsum(lens, 0) - lens
+    # a request-to-token table over the batch's packed tokens: request b's position j is token starts[b] + j
+    table = (starts[:, None] + torch.arange(width)[None, :]).clamp_max(max(q3.shape[0] - 1, 0))
+    table, lens_dev = table.to(torch.int32).to(q3.device), lens.to(q3.device)
+    k3 = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+    v3 = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)
+    meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
+                       lens_dev, causal=key[2], sliding_window=key[0])
+    cap = layer_logit_cap(layer)
+    flash = supports_tile_flash(q3, k3, v3, cap)
+    o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash,
+                     sinks=sinks)
+    return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -1,6 +1,7 @@
 """Seeded random-weight Hugging Face checkpoints that SGLang and transformers both load (no download).
 
-    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|tiny-gemma2|llama-3-8b-2l|deepseek-v2-lite-2l DIR
+    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|tiny-gemma2|tiny-gpt-oss|llama-3-8b-2l|\
+        deepseek-v2-lite-2l DIR
         [--seed N]
 
 ``make_model(preset, out_dir, seed=0)`` writes ``config.json``, ``model.safetensors``, ``generation_config.json``
@@ -14,6 +15,9 @@ Presets:
   latent-cache path) and a small MoE in the second layer.
 - ``tiny-gemma2``: Gemma 2 (GQA 4/2 x 16), its first layer over a 16-token sliding window, tanh soft-capped
   attention logits (50) and final logits (30).
+- ``tiny-gpt-oss``: gpt-oss (GQA 4/2 x 16), its first layer over a 16-token sliding window, attention sinks
+  (drawn, exact in bfloat16), a biased 4-expert MoE (top 2) in both layers, YaRN rope; SGLang serves it with its
+  hybrid sliding-window memory (``SWAKVPool``) by default.
 - ``llama-3-8b-2l``: Llama-3-8B's attention and MLP shapes (32 query / 8 KV heads of 128, hidden 4096,
   intermediate 14336), 2 layers, vocabulary cut to 8192 tokens (benchmarks only).
 - ``deepseek-v2-lite-2l``: DeepSeek-V2-Lite's MLA shapes (16 heads, kv_lora_rank 512, qk 128+64, v 128, hidden
@@ -102,12 +106,32 @@ _TINY_GEMMA2 = dict(
     final_logit_softcapping=30.0,
     tie_word_embeddings=True,  # SGLang's Gemma 2 reads its logits through the embedding
 )
+# gpt-oss: SGLang 0.5.23 serves it with hybrid sliding-window memory by default (SWAKVPool: the window layer's K/V
+# in a pool of its own), attention sinks, a biased MoE (swiglu with alpha/limit) in every layer, YaRN rope
+_TINY_GPT_OSS = dict(
+    _COMMON,
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    attention_bias=True,
+    # layer 0 over a 16-token window (SGLang: sliding_window - 1 = 15 earlier keys), shorter than the prompts
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         truncate=False, original_max_position_embeddings=64),
+)
 _BIG = dict(vocab_size=8192, max_position_embeddings=4096, num_hidden_layers=2)
 
 PRESETS: dict[str, dict] = {
     "tiny-llama": _TINY_LLAMA,
     "tiny-deepseek-v2": _TINY_DEEPSEEK,
     "tiny-gemma2": _TINY_GEMMA2,
+    "tiny-gpt-oss": _TINY_GPT_OSS,
     # 4 query heads per KV head, head size 32: verify with 4 draft tokens has 16 query rows per KV head (the C++
     # kernel's wide path; its tile path with bf16 on AMX)
     "tiny-llama-g4": dict(_TINY_LLAMA, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
@@ -120,7 +144,8 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_YARN_1, original_max_position_embeddings=4096)),
 }
 # Weight scale: a fixed std for the tiny presets (what their tests were checked with), 1/sqrt(fan_in) otherwise.
-_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2, "tiny-llama-g4": 0.2}
+_FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2, "tiny-llama-g4": 0.2,
+              "tiny-gpt-oss": 0.2}
 # Gemma 2 reads its logits through the (scaled-up) input embedding: at the layers' scale each token's own embedding
 # dominated its logits and greedy decoding repeated one token; a smaller embedding leaves the layers in charge.
 _EMBED_STD = {"tiny-gemma2": 0.02}
@@ -158,7 +183,8 @@ def write_tokenizer(out_dir: str, model_max_length: int, vocab_size: int = len(S
 
 
 def _randomize(model, seed: int, std: float | None, embed_std: float | None = None) -> None:
-    """Seeded normal weights for every matrix (norm weights as initialised, other vectors 0): logits vary by token.
+    """Seeded normal weights for every matrix (norm weights as initialised, attention sinks drawn, other vectors 0):
+    logits vary by token.
 
     ``std=None``: ``1.6 / sqrt(fan_in)`` per matrix (0.2 at fan-in 64), for the large presets; ``embed_std``: the
     input embedding's, when it differs.
@@ -172,6 +198,8 @@ def _randomize(model, seed: int, std: float | None, embed_std: float | None = No
                 s = std if std is not None else 1.6 / p.shape[-1] ** 0.5
                 s = embed_std if embed_std is not None and "embed_tokens" in name else s
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
+            elif name.endswith(".sinks"):  # attention sinks (gpt-oss): logits near the scores', exact in bfloat16
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.5).bfloat16().float())  # SGLang holds them in bf16
             elif "norm" not in name:
                 p.zero_()
 

@@ -33,3 +33,23 @@ def register() -> None:
     choices = getattr(add_attention_backend_choices, "__self__", None)
     if choices is None or BACKEND_NAME not in choices:
         add_attention_backend_choices([BACKEND_NAME])
+    admit_in_model_checks()
+
+
+def admit_in_model_checks() -> None:
+    """SGLang 0.5.23 admits some models only with the attention backends it lists (``arg_groups/model_hook.py``:
+    gpt-oss and Gemma 4 assert one of triton, intel_amx, ..., the backends with sliding windows and sinks): this
+    backend serves both, so within those checks alone it reads as ``triton`` (listed for both). Idempotent."""
+    try:
+        import sglang.srt.arg_groups.model_hook as hook
+    except ImportError:  # another SGLang layout: nothing to admit
+        return
+    listed = hook.attention_backends_of
+    if getattr(listed, "_compiled_attn_admits", False):
+        return
+
+    def attention_backends_of(*args, **kwargs):
+        return tuple("triton" if b == BACKEND_NAME else b for b in listed(*args, **kwargs))
+
+    attention_backends_of._compiled_attn_admits = True
+    hook.attention_backends_of = attention_backends_of  # model_hook looks the name up per check

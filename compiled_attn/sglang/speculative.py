@@ -27,6 +27,11 @@ draft token's window from its own position). SGLang's CPU graph runner refuses s
 verify runs eagerly or under the model's ``torch.compile``. A live CPU engine runs it eagerly with
 ``--speculative-algorithm NGRAM`` (``tests/test_live_ngram.py``: tree drafts over the ``QLEN_ONLY`` mask, greedy
 tokens equal to transformers').
+
+Over a hybrid sliding-window pool (``SWAKVPool``, ``backend.py``'s docstring) the base index is the full pool's
+(full layers read it, its inputs are what every windowed index is built from) and a window layer's index has its
+slots translated to the window pool (``build_verify_index``'s ``slot_map``), its draft keys where this forward wrote
+them there (the translated ``out_cache_loc``).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from dataclasses import replace
 
 import torch
 
+from ..decode import translate_slots
 from ..verify import VerifyIndex, build_verify_index, plan_verify, verify_blocks
 from ..verify_masks import mask_numel
 from .backend_util import host_int64, layer_logit_cap, layer_window
@@ -99,12 +105,15 @@ def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
         layout = mask_layout(q3.device)
         mask = mask_of(spec, prefix, k, layout)
     meta = plan_verify(q3, k_cache, v_cache, backend.req_to_token, forward_batch.req_pool_indices,
-                       prefix.to(q3.device), k, mask, mask_layout=layout, page_size=backend.page_size)
+                       prefix.to(q3.device), k, mask, mask_layout=layout, page_size=backend.page_size,
+                       check_slots=backend.swa is None)
+    if backend.swa is not None:  # the table indexes the full pool, whichever layer planned (backend.py)
+        backend.check_full_slots(meta.inputs.req_rows[:bs], torch.zeros_like(prefix), prefix + k)
     index = build_verify_index(backend.req_to_token, meta.inputs, backend.page_size)
     return with_written_slots(index, forward_batch.out_cache_loc, bs, k)
 
 
-def _verify_state(backend, forward_batch):
+def verify_state(backend, forward_batch):
     """A graph's static state (``init_forward_metadata_in_graph`` built its verify index from the static buffers),
     else this forward's eager state."""
     state = backend.forward_metadata
@@ -117,21 +126,25 @@ def forward_target_verify(backend, q3, k_cache, v_cache, layer, forward_batch, s
     """One layer of ``TARGET_VERIFY``: q3 [bs * k, Hq, Dqk] over the pool -> [bs * k, Hq * Dv]."""
     if layer.is_cross_attention:
         raise NotImplementedError("compiled_attn: TARGET_VERIFY with cross-attention layers is not supported")
-    state = _verify_state(backend, forward_batch)
+    state = verify_state(backend, forward_batch)
     index = state.extend.get(VERIFY_KEY)
     if index is None:
         index = state.extend[VERIFY_KEY] = verify_index(backend, q3, k_cache, v_cache, forward_batch)
     window = layer_window(layer)
-    if window is not None:  # built from the same inputs, once per forward (recorded when in a graph)
-        key = (*VERIFY_KEY, window)
+    swa = backend.is_window_pool_layer(layer)
+    if window is not None or swa:  # built from the same inputs, once per forward (recorded when in a graph)
+        key = (*VERIFY_KEY, window) + ((True,) if swa else ())
         windowed = state.extend.get(key)
         if windowed is None:
+            slot_map = backend.swa.slot_map if swa else None
             windowed = build_verify_index(backend.req_to_token, index.inputs, backend.page_size,
-                                          host_form=not state.static, sliding_window=window)
-            # its draft keys are the base index's (where this forward wrote them); the window's edge keys come first
+                                          host_form=not state.static, sliding_window=window, slot_map=slot_map)
+            # its draft keys are the base index's (where this forward wrote them; in the window pool: translated);
+            # the window's edge keys come first
             edge = windowed.draft_slots.shape[1] - index.draft_slots.shape[1]
+            draft = translate_slots(index.draft_slots, slot_map)
             windowed = state.extend[key] = replace(
-                windowed, draft_slots=torch.cat([windowed.draft_slots[:, :edge], index.draft_slots], 1))
+                windowed, draft_slots=torch.cat([windowed.draft_slots[:, :edge], draft], 1))
         index = windowed
     k_scale, v_scale = backend._layer_scales(layer)
     o = verify_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),

@@ -4,7 +4,8 @@ It builds what SGLang's attention path needs (a model-runner stand-in, ``ReqToTo
 ``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``RadixAttention`` layers, hand-made ``ForwardBatch``es) and runs
 one layer the way ``ModelRunner`` does, so the same data can be fed to SGLang's own ``TorchNativeAttnBackend``
 and to ours. ``runtime`` imports SGLang (after the CPU fix-ups) and states single-rank parallel names,
-``geometry`` holds the shapes, model-runner stand-in and layers, ``batches`` the batches and the layer runner.
+``geometry`` holds the shapes, model-runner stand-in and layers, ``batches`` the batches and the layer runner,
+``swa`` the stand-in over SGLang's hybrid sliding-window pool (``SWAKVPool``).
 Importing this package applies the torchvision fix-up (it does not import SGLang).
 """
 
@@ -34,6 +35,7 @@ from .geometry import (
     mla_normal,
 )
 from .runtime import PARALLEL_DEFAULTS, SGLANG_VERSION, import_sglang, parallel_scope, sglang_available
+from .swa import SwaMemory, make_swa_model_runner
 
 ensure_torchvision_importable()
 
@@ -42,5 +44,5 @@ __all__ = [
     "ensure_sglang_importable", "ensure_torchvision_importable", "gqa", "import_sglang", "make_torch_native_backend",
     "make_decode_batch", "make_extend_batch", "make_layer", "make_model_runner", "mha", "mla_absorbed", "mla_normal",
     "parallel_scope", "read_kv", "request_kv", "request_q", "run_sglang", "run_sglang_layer", "sglang_available",
-    "write_kv",
+    "write_kv", "SwaMemory", "make_swa_model_runner",
 ]

@@ -108,27 +108,43 @@ def _new_kv(geom: AttnGeometry, n: int, dtype, gen):
 
 
 def write_kv(model_runner, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Put K/V for tokens at slots ``loc`` into the pool, through the pool's own writer."""
+    """Put K/V for tokens at slots ``loc`` into the pool, through the pool's own writer (a hybrid sliding-window
+    pool's with the translated location too, as SGLang's backends hand it)."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
     layer = make_layer(model_runner.geometry, layer_id)
     device = torch.device(model_runner.device)
+    loc = loc.to(device)
+    swa = getattr(model_runner, "swa_memory", None)
+    where = KVWriteLoc(loc, swa.translate(loc)) if swa is not None else loc
     with parallel_scope():
-        model_runner.token_to_kv_pool.set_kv_buffer(layer, loc.to(device), k.to(device), v.to(device))
+        model_runner.token_to_kv_pool.set_kv_buffer(layer, where, k.to(device), v.to(device))
 
 
 def read_kv(model_runner, layer_id: int, loc: torch.Tensor):
-    """(k, v) stored at slots ``loc``: [n, Hkv, D], [n, Hkv, Dv]."""
+    """(k, v) stored at slots ``loc``: [n, Hkv, D], [n, Hkv, Dv] (a window layer of a hybrid sliding-window pool:
+    at the translated slots)."""
     pool = model_runner.token_to_kv_pool
+    swa = getattr(model_runner, "swa_memory", None)
+    if swa is not None and pool.layers_mapping[layer_id][1]:
+        loc = swa.translate(loc)
     return pool.get_key_buffer(layer_id)[loc], pool.get_value_buffer(layer_id)[loc]
 
 
 def _alloc_slots(model_runner, n: int) -> list[int]:
     """``n`` KV slots for one request: scattered slots, or (paged pool) scattered whole pages, position ``p`` at
-    offset ``p % page_size`` of its page, as SGLang's paged allocator lays them out."""
+    offset ``p % page_size`` of its page, as SGLang's paged allocator lays them out. A hybrid sliding-window pool
+    (``swa.make_swa_model_runner``) pairs each with a window-pool slot."""
     page = model_runner.page_size
     if page == 1:
-        return model_runner.slot_allocator.alloc(n).tolist()
-    pages = model_runner.page_allocator.alloc(-(-n // page))
-    return (pages[:, None] * page + torch.arange(page)).reshape(-1)[:n].tolist()
+        slots = model_runner.slot_allocator.alloc(n).tolist()
+    else:
+        pages = model_runner.page_allocator.alloc(-(-n // page))
+        slots = (pages[:, None] * page + torch.arange(page)).reshape(-1)[:n].tolist()
+    swa = getattr(model_runner, "swa_memory", None)
+    if swa is not None:
+        swa.pair(slots)
+    return slots
 
 
 def _build(
