@@ -196,16 +196,6 @@ def test_idle_and_unsupported_modes():
         backend.init_forward_metadata(fb)
 
 
-def test_hybrid_swa_pool_is_refused_naming_the_flag_that_serves_the_model():
-    """SGLang's hybrid sliding-window memory (a separate KV pool for the window layers, gpt-oss's default) is refused
-    at construction with the server flag that gives one pool, which this backend serves (window layers masked)."""
-    g = H.GEOMETRIES["mha"]
-    mr = H.make_model_runner(g)
-    mr.token_to_kv_pool = type("SWAKVPool", (), {})()  # the class SGLang builds for hybrid SWA memory, by name
-    with pytest.raises(NotImplementedError, match="SWAKVPool.*--disable-hybrid-swa-memory"):
-        CompiledAttnBackend(mr)
-
-
 # ---------------------------------------------------------------------------------------------- plugin
 
 
