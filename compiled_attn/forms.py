@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native_decode
 from .block_flash import supports_block_flash
-from .kernels.triton_form import triton_refusal
+from .kernels.triton_form import triton_installed, triton_refusal
 from .kv_dtype import HALF_DTYPES
 from .native_decode import bf16_query_scale, kernel_path, native_refusal
 
@@ -72,6 +73,33 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cpu_flash (True: the flash form), native (False: not the device's kernel, C++ or Triton). None picks.
     compiling: whether the call is being traced by ``torch.compile`` (None: ``torch.compiler.is_compiling()``; a
     test asks what a compiled call runs). ValueError where the overrides name two forms."""
+    args = (site, q, k_cache, v_cache, rows_per_kv_head, v_shares_k, logit_cap, form, fused, cpu_flash, native,
+            compiling)
+    if torch.compiler.is_compiling():
+        return _choose_form(*args)
+    # eagerly, a call of the same shapes, dtypes and settings on the same build chooses the same: looked up (the
+    # choice ran on every layer of every step, a few us each)
+    key = (site, q.device.type, q.dtype, k_cache.dtype, v_cache.dtype, *q.shape[1:], *k_cache.shape[1:],
+           v_cache.shape[2], k_cache.stride(-1), v_cache.stride(-1), rows_per_kv_head, v_shares_k, logit_cap is None,
+           form, fused, cpu_flash, native, compiling, native_decode.native_available(),
+           native_decode.kernel_isa_bits(), triton_installed())
+    choice = _EAGER_CHOICES.get(key)
+    if choice is None:
+        choice = _choose_form(*args)
+        if len(_EAGER_CHOICES) >= _EAGER_CHOICES_KEPT:
+            _EAGER_CHOICES.clear()
+        _EAGER_CHOICES[key] = choice
+    return choice
+
+
+#: the eager choices made so far, by call (``choose_form``); a memo of a pure function, bounded
+_EAGER_CHOICES: dict[tuple, FormChoice] = {}
+_EAGER_CHOICES_KEPT = 1024
+
+
+def _choose_form(site, q, k_cache, v_cache, rows_per_kv_head, v_shares_k, logit_cap, form, fused, cpu_flash, native,
+                 compiling) -> FormChoice:
+    """``choose_form``'s decision (its arguments, positionally)."""
     if form is not None:
         if fused is not None or cpu_flash is not None or native is not None:
             raise ValueError(f"form={form!r} names the form: pass it without fused=, cpu_flash= or native=")
