@@ -318,7 +318,7 @@ def test_http_round_trip(models, jobs):
 @pytest.mark.parametrize("argv, flag", [
     (["--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype"),
     (["--kv-cache-dtype=int8"], "--kv-cache-dtype"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm"),
     (["--page-size", "0"], "--page-size"),
 ])
 def test_serve_refuses_unsupported_flags(argv, flag, capsys):
@@ -348,8 +348,9 @@ def test_serve_refuses_speculative_decoding_only_where_sglang_cannot_draft(capsy
     serve.check_args(speculative_algorithm="NGRAM", enable_torch_compile=True, page_size=16, cpu=False)
     serve.check_args(speculative_algorithm="NGRAM", cpu=True)
     serve.check_args(speculative_algorithm="NGRAM", page_size=1, enable_torch_compile=False, cpu=True)
-    with pytest.raises(serve.UnsupportedArgument, match="--speculative-algorithm EAGLE.*CUDA kernels"):
-        serve.check_args(speculative_algorithm="EAGLE", cpu=True)
+    serve.check_args(speculative_algorithm="EAGLE", page_size=1, cpu=True)  # tests/test_live_eagle.py runs it
+    with pytest.raises(serve.UnsupportedArgument, match="--speculative-algorithm DFLASH.*CUDA kernels"):
+        serve.check_args(speculative_algorithm="DFLASH", cpu=True)
     with pytest.raises(serve.UnsupportedArgument, match="^--enable-torch-compile: .*speculative"):
         serve.check_args(speculative_algorithm="NGRAM", enable_torch_compile=True, cpu=True)
     with pytest.raises(serve.UnsupportedArgument, match="^--page-size 16: .*NGRAM.*--page-size 1"):

@@ -291,8 +291,8 @@ def test_stand_in_answers_spec_ops_and_only_the_speculative_submodule():
     root = importlib.util.module_from_spec(finder.find_spec("sgl_kernel"))
     for name, fn in ops.OPS.items():
         assert getattr(root, name) is fn
-    with pytest.raises(NotImplementedError, match="fill_bonus_tokens_cpu"):
-        root.fill_bonus_tokens_cpu()
+    with pytest.raises(NotImplementedError, match="decode_attention_cpu"):
+        root.decode_attention_cpu()
     spec_mod = importlib.util.module_from_spec(finder.find_spec("sgl_kernel.speculative"))
     assert spec_mod.reconstruct_indices_from_tree_mask is ops.reconstruct_indices_from_tree_mask
     assert not hasattr(spec_mod, "verify_tree_greedy")  # `from sgl_kernel.speculative import x` -> ImportError

@@ -3,6 +3,7 @@
     compiled-attn bench-engine [--model tiny-llama | --model-path DIR] [--backend torch_native,compiled_attn,
         compiled_attn+compile] [--batch-size 1,8,32] [--context 1024] [--decode-steps 32] [--rounds 3] [--threads 2]
         [--context-length N] [--max-total-tokens N] [--absorbed-prefill] [--dtype auto|float32|bfloat16|float16]
+        [--draft-model-path DIR]
 
 Each backend gets its own ``sglang.Engine`` (``serve.engine``: CPU fix-ups, random-weight model from
 ``make_model`` unless ``--model-path``), each in a worker subprocess of its own (SGLang keeps one engine per
@@ -20,6 +21,12 @@ compiles or captures on first use would show it). Tokens that reach the
 client together (on 2 cores the client is sometimes descheduled and stream chunks coalesce) share the interval
 since the previous arrival evenly. This is what a client
 sees: it includes the scheduler, sampling, detokenizer and IPC, not only the forward pass.
+
+``compiled_attn+eagle`` (not in the default list): our backend under SGLang's EAGLE speculative decoding (chains of
+3 draft tokens), the draft head ``--draft-model-path`` or, for a Llama, ``make_eagle``'s seeded random one (its
+drafts are rarely accepted: the row then shows what drafting and verifying cost). A step commits several tokens at
+once; spread as above, its median decode is the time per token, and a line per batch size compares tokens/s with
+and without speculation.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ BACKENDS = {
     "torch_native": dict(attention_backend="torch_native", disable_cuda_graph=True),
     "compiled_attn": dict(attention_backend="compiled_attn", disable_cuda_graph=True),
     "compiled_attn+compile": dict(attention_backend="compiled_attn", enable_torch_compile=True),
+    "compiled_attn+eagle": dict(attention_backend="compiled_attn", disable_cuda_graph=True, page_size=1,
+                                speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+                                speculative_num_draft_tokens=4),
 }
+DEFAULT_BACKENDS = ["torch_native", "compiled_attn", "compiled_attn+compile"]
 MARK = "@@engine_bench "  # protocol lines on the worker's stdout (SGLang may print there too)
 
 
@@ -68,7 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="tiny-llama", choices=sorted(PRESETS), help="make_model preset")
     src.add_argument("--model-path", help="an existing checkpoint directory instead of --model")
-    p.add_argument("--backend", type=_backends, default=list(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
+    p.add_argument("--backend", type=_backends, default=DEFAULT_BACKENDS,
+                   help=f"comma-separated: {', '.join(BACKENDS)} (default {','.join(DEFAULT_BACKENDS)})")
     p.add_argument("--batch-size", type=_int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
     p.add_argument("--context", type=int_at_least(1), default=1024, help="prompt tokens per request (default 1024)")
     p.add_argument("--decode-steps", type=int_at_least(2), default=32, help="timed decode steps per batch (default 32)")
@@ -88,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the engine's --dtype: weights, activations and KV cache (default auto: the checkpoint's, "
                         "float32 for make_model's presets; CPU servers commonly run bfloat16)")
+    p.add_argument("--draft-model-path", help="compiled_attn+eagle's EAGLE draft head (default: make_eagle's random "
+                                              "head for the model, a Llama)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int_at_least(1), default=1800, help="seconds an engine may take to start")
     p.add_argument("--json", help="also write the results here")
@@ -108,6 +122,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                 <= (max_pos or args.context_length)):
         p.error(f"--context-length {args.context_length} must hold --context + --decode-steps + 1 "
                 f"({args.context + args.decode_steps + 1}) and not exceed max_position_embeddings {max_pos}")
+    model_type = (json.load(open(os.path.join(args.model_path, "config.json"))).get("model_type") if args.model_path
+                  else PRESETS[args.model]["model_type"])
+    if "compiled_attn+eagle" in args.backend and not args.draft_model_path and model_type != "llama":
+        p.error(f"--backend compiled_attn+eagle: a {model_type} model needs --draft-model-path (make_eagle writes "
+                "heads for Llama models only)")
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.access(d, os.W_OK):
@@ -199,6 +218,8 @@ def _worker(spec: dict) -> int:
         kw["cuda_graph_bs_decode"] = spec["batch_sizes"]
     t0 = time.perf_counter()
     per_request = spec["context"] + spec["steps"] + 8
+    if kw.get("speculative_algorithm"):
+        kw["speculative_draft_model_path"] = spec["draft_dir"]
     if spec["absorbed_prefill"]:
         kw["scheduler_target"] = cpu_fixups.ChildTarget(__spec__.name, "run_scheduler_absorbed_prefill")
     eng = serve.engine(model_path=spec["model_dir"], context_length=spec["context_length"] or per_request,
@@ -275,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = dict(model_dir=model_dir, context=args.context, steps=args.decode_steps, threads=args.threads,
                 batch_sizes=args.batch_size, chunked_prefill_size=args.chunked_prefill_size,
                 context_length=args.context_length, max_total_tokens=args.max_total_tokens,
-                absorbed_prefill=args.absorbed_prefill, dtype=args.dtype)
+                absorbed_prefill=args.absorbed_prefill, dtype=args.dtype, draft_dir=args.draft_model_path)
+    if "compiled_attn+eagle" in args.backend and not spec["draft_dir"]:
+        from ..sglang.make_eagle import make_eagle
+
+        spec["draft_dir"] = make_eagle(model_dir, tempfile.mkdtemp(prefix="bench_engine_eagle_"), seed=args.seed)
     print(f"# model {args.model_path or args.model}, dtype {args.dtype}, context {args.context}, "
           f"{args.decode_steps} decode steps, "
           f"OMP_NUM_THREADS={args.threads}, {args.rounds} rounds, backends interleaved"
@@ -314,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_ms(m['median_decode_s']):>10} {m['first_decode_s'] / m['median_decode_s']:8.2f} "
                   f"{_ms(cold):>11} {cold / m['median_decode_s']:8.2f}")
     results["summary"] = summary
+    for bs in args.batch_size if "compiled_attn+eagle" in args.backend else ():
+        rate = {b: 1 / summary[f"{b} bs={bs}"]["median_decode_s"] for b in args.backend}
+        others = ", ".join(f"{rate[b]:.0f} with {b}" for b in args.backend if b != "compiled_attn+eagle")
+        print(f"# bs={bs}: {rate['compiled_attn+eagle']:.0f} tokens/s per request with EAGLE"
+              + (f" ({others})" if others else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -14,8 +14,8 @@ Two users, two modes:
   schedulers: :data:`LAUNCHER_TARGETS`) becomes a :class:`ChildTarget` too, in the launching process
   (:func:`wrap_launcher_targets`); the controller starts its schedulers with the scheduler target it is handed.
 
-The ``sgl_kernel`` stand-in is not all stubs: the ops SGLang's n-gram speculative decoding calls on CPU
-(``--speculative-algorithm NGRAM``, no draft model) are answered with the PyTorch versions in
+The ``sgl_kernel`` stand-in is not all stubs: the ops SGLang's speculative decoding calls on CPU (NGRAM, and the
+EAGLE worker's EAGLE / EAGLE3 / STANDALONE) are answered with the PyTorch versions in
 :mod:`compiled_attn.sglang.spec_kernels_cpu`, and ``sgl_kernel.speculative`` (its one submodule) holds the n-gram
 tree-link op; everything else raises when called.
 
@@ -196,6 +196,31 @@ def eager_cpu_moe_loop() -> bool:
     return True
 
 
+def eagle_draft_backends() -> bool:
+    """SGLang's EAGLE worker builds its draft backends from name tables without ``compiled_attn``
+    (``speculative/draft_utils.py``: "EAGLE is not supported in attention backend compiled_attn"): add it, ours for
+    the draft extend and ``spec_kernels_cpu.DraftDecodeSteps`` for the multi-step draft decode."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory as factory
+
+    make = factory._create_backend
+    if getattr(make, "_compiled_attn", False):
+        return False
+
+    def _create_backend(self, backend_name, backend_map, error_template, stamps_children=False):
+        from .plugin import BACKEND_NAME, create_backend
+        from .spec_kernels_cpu import DraftDecodeSteps
+
+        def ours():  # stamps_children: the per-step decode backends
+            return BACKEND_NAME, (DraftDecodeSteps(self.draft_model_runner, self.topk, self.speculative_num_steps)
+                                  if stamps_children else create_backend(self.draft_model_runner))
+
+        return make(self, backend_name, {**backend_map, BACKEND_NAME: ours}, error_template, stamps_children)
+
+    _create_backend._compiled_attn = True
+    factory._create_backend = _create_backend  # the factory's methods look it up per call
+    return True
+
+
 # What SGLang 0.5.23's launcher (sglang/srt/entrypoints/engine.py) starts by its own module-level names rather than
 # through Engine's replaceable run_*_process_func targets: (name there, defining module). Pickled by name, each one's
 # spawned child imports SGLang (torchvision first) to unpickle it, before any fix-up could run.
@@ -309,6 +334,7 @@ FIXUPS = (
     ("eager_cpu_moe_loop", eager_cpu_moe_loop, SGLANG_0_5_23, True),
     ("pin_rank_threads", pin_rank_threads, SGLANG_0_5_23, True),
     ("launcher_targets", wrap_launcher_targets, SGLANG_0_5_23, True),
+    ("eagle_draft_backends", eagle_draft_backends, SGLANG_0_5_23, True),
 )
 _version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
 

@@ -12,17 +12,18 @@ import types
 
 
 class _KernelStandIn(types.ModuleType):
-    """``sgl_kernel`` for a CPU without it: the n-gram speculative ops in pure PyTorch, every other name a function
+    """``sgl_kernel`` for a CPU without it: the speculative ops in pure PyTorch, every other name a function
     raising ``NotImplementedError`` when called.
 
     SGLang's CPU modules import ``*_cpu`` kernels from ``sgl_kernel`` at module level, so the names must exist.
     Most are called only on CPUs with AMX (and PyPI has no CPU build): a call means a path we don't support. With
     SGLang 0.5.23 the names taken at import are ``assign_req_to_token_pool_cpu``, ``copy_all_layer_kv_cache_cpu``,
     ``assign_extend_cache_locs_cpu``, ``assign_draft_cache_locs_contiguous_cpu``,
-    ``build_tree_kernel_efficient_cpu``, ``fill_accept_out_cache_loc_cpu``, ``fill_bonus_tokens_cpu`` and
-    ``verify_tree_greedy_cpu``; those in :data:`compiled_attn.sglang.spec_kernels_cpu.OPS` are real (what
-    ``--speculative-algorithm NGRAM`` calls), the EAGLE-only ones raise. Any name is answered, so a new import
-    doesn't break start-up.
+    ``build_tree_kernel_efficient_cpu``, ``fill_accept_out_cache_loc_cpu``, ``fill_bonus_tokens_cpu``,
+    ``verify_tree_greedy_cpu`` and ``rotate_input_ids_cpu``: all are real
+    (:data:`compiled_attn.sglang.spec_kernels_cpu.OPS`: what NGRAM and the EAGLE worker's algorithms call), as is
+    ``build_draft_decode_metadata_cpu`` (intel_amx's draft decode). Any name is answered, so a new import doesn't
+    break start-up.
     """
 
     def __getattr__(self, name: str):
@@ -77,7 +78,7 @@ def _stand_in_installed() -> bool:
 
 def install_sgl_kernel_stand_in() -> bool:
     """SGLang's CPU engine imports ``sgl_kernel`` at module level and PyPI has no CPU build: answer with a stand-in
-    (n-gram speculative ops real, in PyTorch; the rest raise when called)."""
+    (speculative ops real, in PyTorch; the rest raise when called)."""
     if _stand_in_installed():
         return False
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:

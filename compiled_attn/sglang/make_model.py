@@ -246,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("out_dir", help="directory to write (created)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eagle", metavar="DIR", help="also write an EAGLE draft head for it in DIR (Llama presets)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     print(make_model(args.preset, args.out_dir, seed=args.seed))
+    if args.eagle:
+        from .make_eagle import make_eagle
+
+        print(make_eagle(args.out_dir, args.eagle, seed=args.seed))
     return 0
 
 

@@ -9,8 +9,8 @@ server itself is SGLang's, unchanged.
 
 Flags our backend cannot serve (:func:`check_args`) are refused before anything starts, with one message naming
 the flag, rather than at the first request. On a CPU-only machine speculative decoding runs as
-``--speculative-algorithm NGRAM`` only (no draft model), eagerly (no ``--enable-torch-compile``) and with
-``--page-size 1``.
+``--speculative-algorithm NGRAM`` (no draft model) or EAGLE / EAGLE3 / NEXTN / STANDALONE (a draft model:
+``--speculative-draft-model-path``), eagerly (no ``--enable-torch-compile``) and with ``--page-size 1``.
 
 Scale-out on a CPU (``--tp-size``, ``--dp-size``, ``--dp-size N --enable-dp-attention``): SGLang runs one scheduler
 process per rank and, unless ``SGLANG_CPU_OMP_THREADS_BIND`` gives each its CPUs (``"0-7|8-15"``), asserts that
@@ -71,24 +71,31 @@ def check_args(*, attention_backend: str | None = BACKEND, kv_cache_dtype: str |
                                   "number of tokens per page")
 
 
+# What SGLang 0.5.23 drafts on a CPU-only machine with this backend: NGRAM (no draft model) and the EAGLE worker's
+# algorithms (a draft head or model; NEXTN is EAGLE): their sgl_kernel ops are PyTorch versions in spec_kernels_cpu,
+# their draft backends ours (cpu_fixups.eagle_draft_backends). The other workers (DFLASH, UNO, ...) launch triton.
+CPU_SPECULATIVE = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+
 def _check_cpu_speculative(algorithm: str, page_size, enable_torch_compile) -> None:
-    """On a CPU-only machine only NGRAM drafts (no draft model; its ops have PyTorch versions in the
-    ``sgl_kernel`` stand-in, ``spec_kernels_cpu``); the backend verifies drafts of any algorithm on a GPU."""
-    if algorithm.upper() != "NGRAM":
+    """On a CPU-only machine: the algorithms in :data:`CPU_SPECULATIVE`, eagerly, with page size 1; the backend
+    verifies drafts of any algorithm on a GPU."""
+    name = algorithm.upper()
+    if name not in CPU_SPECULATIVE:
         raise UnsupportedArgument(
-            f"--speculative-algorithm {algorithm}: on a CPU-only machine only NGRAM runs (SGLang 0.5.23's "
-            f"draft-model workers need CUDA kernels: sgl_kernel, triton); --attention-backend {BACKEND} "
-            "verifies drafts of every algorithm on a GPU machine (python -m sglang.launch_server ...)")
+            f"--speculative-algorithm {algorithm}: on a CPU-only machine only {', '.join(CPU_SPECULATIVE)} run "
+            f"(SGLang 0.5.23's other draft workers need CUDA kernels: sgl_kernel, triton); --attention-backend "
+            f"{BACKEND} verifies drafts of every algorithm on a GPU machine (python -m sglang.launch_server ...)")
     if enable_torch_compile:
         # SGLang's CPU graph runner asserts that speculative decoding is off
         raise UnsupportedArgument(
             "--enable-torch-compile: SGLang 0.5.23's CPU graph runner does not run speculative decoding; "
-            f"--speculative-algorithm NGRAM with --attention-backend {BACKEND} on CPU runs eagerly (drop the flag)")
+            f"--speculative-algorithm {name} with --attention-backend {BACKEND} on CPU runs eagerly (drop the flag)")
     if page_size is not None and int(page_size) > 1:
         # get_last_loc (SGLang's paged slot allocation for draft tokens) is a triton kernel for every backend but
         # torch_native; trees over pages > 1 SGLang allows only with flashinfer anyway
         raise UnsupportedArgument(
-            f"--page-size {page_size}: --speculative-algorithm NGRAM on a CPU-only machine needs --page-size 1 "
+            f"--page-size {page_size}: --speculative-algorithm {name} on a CPU-only machine needs --page-size 1 "
             "(SGLang 0.5.23 allocates draft-token slots over pages > 1 with a triton kernel)")
 
 
