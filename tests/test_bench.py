@@ -260,3 +260,166 @@ def test_bench_engine_absorbed_prefill_sends_deepseek_prefill_to_the_mla_forward
     prefill = SimpleNamespace(forward_mode="EXTEND", extend_prefix_lens_cpu=[0, 0])  # no cached prefix
     for name in ("torch_native", "compiled_attn"):
         assert registry.get_handler(name)(SimpleNamespace(), prefill) == AttnForwardMethod.MLA
+
+
+# ---- bench-ops --json, --against sglang without a kit, and compiled_attn/bench's imports ----
+
+def _fake_kit(monkeypatch, calls):
+    """``--against sglang`` with a stand-in for the kit's op namespace, recording its calls in ``calls`` (the real
+    kernel: test_bench_sglang_kernel.py)."""
+    from compiled_attn.bench import sglang_kit
+
+    def decode_attention_cpu(q, k_cache, v_cache, out, *rest):
+        calls.append(q.dtype)
+
+    ops = SimpleNamespace(decode_attention_cpu=decode_attention_cpu)
+    monkeypatch.setattr(sglang_kit, "load_kit", lambda path, **_: sglang_kit.Kit(ops, "sglang: a stand-in kit"))
+
+
+def test_bench_ops_json_has_every_table_row_and_column(tmp_path, capsys, monkeypatch):
+    """``bench-ops --json``: the decode (at two K/V copies: a small last-level cache), verify and extend tables with
+    every row's columns, the notes, the config and the machine; ``--against sglang`` on float32 rows says in one
+    line that SGLang's kernel has no float32 (and never calls it)."""
+    from compiled_attn.bench import ops as bench_ops
+
+    monkeypatch.setattr(bench_ops, "last_level_cache_bytes", lambda: 1 << 20)
+    calls = []
+    _fake_kit(monkeypatch, calls)
+    path = tmp_path / "ops.json"
+    assert bench_ops.main(["--ops", "mha", "verify", "extend", "--batch-size", "1", "--lens", "1024", "--draft", "2",
+                           "--new", "uniform", "--prefix", "0", "--iters", "1", "--against", "sglang",
+                           "--json", str(path), "--no-malloc-tuning"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert set(report["tables"]) == {"decode", "verify", "extend"}
+    for name, table in report["tables"].items():
+        assert len(table["rows"]) == 1, name
+        # every printed column in every row (the sglang ones: not for float32, sglang_skipped says why)
+        assert set(table["columns"]) - {"busy", "sglang_ms", "sglang/compiled"} <= set(table["rows"][0]), name
+    from compiled_attn.bench.ops_verify import COLUMNS as VERIFY_COLUMNS
+
+    assert report["tables"]["verify"]["columns"] == VERIFY_COLUMNS
+    decode = report["tables"]["decode"]["rows"][0]
+    assert decode["op"] == "mha decode" and decode["kv"] == "float32" and decode["kv_copies"] == 2
+    for col in ("loop_ms", "eager_ms", "compiled_ms", "read_ms", "x_read", "compiled_x", "served_x", "kv_bytes"):
+        assert decode[col] > 0, col
+    assert "sglang_ms" in report["tables"]["decode"]["columns"] and "sglang_ms" not in decode
+    assert "float32" in decode["sglang_skipped"] and not calls
+    assert report["tables"]["verify"]["rows"][0]["read_ms"] > 0
+    assert report["tables"]["extend"]["rows"][0]["GFLOPs"] > 0
+    assert report["copy_GBps"] > 0 and report["matmul_GFLOPs"] > 0 and report["cold_bytes"] == 3 << 19
+    assert report["config"]["dtype"] == "float32" and report["config"]["iters"] == 1
+    machine = report["machine"]
+    assert {"cpu_vendor", "cpu_model", "cpu_flags", "OMP_NUM_THREADS", "torch"} <= set(machine)
+    assert {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"} <= set(machine["cpu_flags"])
+    assert report["notes"] and all(line in out for line in report["notes"])
+    skipped = [ln for ln in out.splitlines() if "no column for the float32 rows" in ln]
+    assert len(skipped) == 1 and "no float32" in skipped[0]
+
+
+def test_bench_ops_against_sglang_without_the_kit_says_so_and_runs_the_rest(tmp_path, capsys):
+    from compiled_attn.bench import ops as bench_ops
+
+    missing = tmp_path / "no-such-kit"
+    assert bench_ops.main(["--ops", "mha", "--batch-size", "1", "--lens", "1024", "--iters", "1", "--warm",
+                           "--dtype", "bfloat16", "--against", "sglang", "--sglang-kit", str(missing),
+                           "--no-malloc-tuning"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "sglang" in ln.lower()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("sglang column skipped:") and str(missing) in lines[0] and "does not exist" in lines[0]
+    assert "mha decode" in out and "compiled_ms" in out and "x_read" in out and "sglang_ms" not in out
+
+
+def test_sglang_kit_is_located_and_a_failed_build_is_one_line(tmp_path, monkeypatch):
+    """The kit's default place (``$COMPILED_ATTN_SGLANG_KIT``, else ``../shared/peers/sglang-cpu-attn`` from here
+    where it exists), a folder without ``build.py``, and a ``build.py`` that fails: one line each, never a raise."""
+    from compiled_attn.bench import sglang_kit
+
+    monkeypatch.setenv(sglang_kit.KIT_ENV, "/some/kit")
+    assert sglang_kit.default_kit_path() == "/some/kit"
+    monkeypatch.delenv(sglang_kit.KIT_ENV)
+    monkeypatch.chdir(tmp_path)
+    assert sglang_kit.default_kit_path() is None
+    assert "no kit" in sglang_kit.load_kit(None).line
+    (tmp_path / "shared" / "peers" / "sglang-cpu-attn").mkdir(parents=True)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert sglang_kit.default_kit_path() == sglang_kit.DEFAULT_KIT
+    assert "has no build.py" in sglang_kit.load_kit(sglang_kit.DEFAULT_KIT).line
+    kit = tmp_path / "broken-kit"
+    kit.mkdir()
+    (kit / "build.py").write_text("import sys\nsys.exit('error: no compiler here')\n")
+    monkeypatch.setenv(sglang_kit.BUILD_ENV, str(tmp_path / "build"))
+    loaded = sglang_kit.load_kit(str(kit))
+    if loaded.ops is None:  # (where an earlier test in this process registered the real op, it is reused)
+        assert loaded.line.startswith("sglang column skipped:") and "error: no compiler here" in loaded.line
+        assert "\n" not in loaded.line
+
+
+def _bench_imports(folder):
+    """Module name -> the modules of ``folder`` (compiled_attn/bench) it imports anywhere in its source (lazy
+    imports in functions included), from the files' syntax trees."""
+    import ast
+
+    names = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    edges.add(node.module.split(".")[0])
+                else:
+                    edges.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if parts[:2] == ["compiled_attn", "bench"]:
+                    edges.update(parts[2:3] or [a.name for a in node.names])
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    parts = a.name.split(".")
+                    if parts[:2] == ["compiled_attn", "bench"] and len(parts) > 2:
+                        edges.add(parts[2])
+        graph[path.stem] = (edges & names) - {path.stem}
+    return graph
+
+
+def _find_cycle(graph):
+    """One import cycle of ``graph`` (module -> modules) as a path ``[a, b, .., a]``, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    return next((c for node in sorted(graph) if node not in state and (c := visit(node, [node]))), None)
+
+
+def test_bench_modules_import_no_cycle():
+    from pathlib import Path
+
+    import compiled_attn.bench
+
+    graph = _bench_imports(Path(compiled_attn.bench.__file__).parent)
+    assert {"ops_decode", "ops_common", "ops_verify", "sweep"} <= graph["ops"]
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle in compiled_attn/bench: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The walk sees lazy (in-function), ``from . import`` and absolute imports; the check finds their cycle."""
+    (tmp_path / "a.py").write_text("def f():\n    from .b import g\n")
+    (tmp_path / "b.py").write_text("from . import c\n")
+    (tmp_path / "c.py").write_text("from compiled_attn.bench.a import f\nimport os\n")
+    (tmp_path / "d.py").write_text("import compiled_attn.bench.c\n")
+    graph = _bench_imports(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"c"}}
+    assert _find_cycle(graph) == ["a", "b", "c", "a"]
+    assert _find_cycle({**graph, "c": set()}) is None

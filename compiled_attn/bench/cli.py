@@ -1,7 +1,7 @@
 """``compiled-attn``: one entry point, subcommands delegate to their modules.
 
     compiled-attn bench ...            per-bucket prefill/decode latency, backends side by side (bench.py)
-    compiled-attn bench-ops ...        one attention op: loop vs eager vs compiled (bench_ops.py)
+    compiled-attn bench-ops ...        one attention op: loop vs eager vs compiled (ops.py; --against sglang, --json)
     compiled-attn bench-step ...       N-layer decode step: warm-up, first/median step, warm restart (bench_step.py)
     compiled-attn bench-sglang ...     our SGLang backend vs SGLang's torch_native on the same ForwardBatches
     compiled-attn serve ...            SGLang's server with --attention-backend compiled_attn (CPU fix-ups applied)

@@ -1,150 +1,58 @@
 """``compiled-attn bench-ops``: one attention op, side by side: the per-request SDPA loop (SGLang torch_native's
-algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA decode at several batch sizes, and
-(``--ops extend mla-extend``, ``ops_extend.py``) the tiled extend.
+algorithm), our eager ``run`` and our compiled ``run``, for MHA and absorbed MLA decode at several batch sizes
+(``ops_decode.py``), speculative verify (``--ops verify``, ``ops_verify.py``) and (``--ops extend mla-extend``,
+``ops_extend.py``) the tiled extend.
 
 Reports medians, ratios to the loop, and effective GB/s (K/V bytes the batch needs / time) next to a plain copy
-bandwidth measured in the same run. The three are timed round-robin (one call of each per round), with glibc's
-allocator tuned as in ``compiled-attn bench`` (``--no-malloc-tuning`` turns that off). ``--sweep-len`` (``sweep.py``):
-bs=1 MHA decode per context length, with a one-pass read of the same K/V bytes as the physical bound.
-``--contend N``: N processes spin on the CPU while everything is measured (``contend.py``); the report says so.
+bandwidth measured in the same run. The candidates are timed in interleaved rounds (one call of each per round) in
+balanced orders, each decode and verify call reading the next of copies of its K/V that together exceed 1.5x the
+last-level cache (``--warm``: one copy, read by every call), with glibc's allocator tuned as in ``compiled-attn
+bench`` (``--no-malloc-tuning`` turns that off). ``--against sglang``: SGLang's own CPU decode kernel as one more
+decode column (bf16/fp16), from a kit built outside the project (``--sglang-kit``, ``sglang_kit.py``).
+``--json FILE``: every table's rows and columns, the notes and the machine (``machine.py``).
+``--sweep-len`` (``sweep.py``): bs=1 MHA decode per context length, with a one-pass read of the same K/V bytes as the
+physical bound. ``--contend N``: N processes spin on the CPU while everything is measured (``contend.py``); the
+report says so.
 """
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 
-from graphs.runner import EAGER_MARGIN, faster_form
+from graphs.runner import EAGER_MARGIN
 from profiling.host import add_malloc_flag, huge_pages_in_use, last_level_cache_bytes, tune_malloc
-from profiling.timers import format_table, median, time_fn, time_interleaved
+from profiling.timers import format_table, median, time_fn
 
-from ..compile_policy import compile_step
-from ..decode import build_decode_index, decode_blocks
-from ..kv_dtype import FP8_DTYPES
-from ..metadata import DecodeInputs
-from ..native_decode import native_fits
-from ..plan import plan_decode
-from .batches import ENGINE_DECODE_TAIL, SLOT_LAYOUTS, make_batch
+from . import sglang_kit
+from .batches import ENGINE_DECODE_TAIL, SLOT_LAYOUTS
 from .contend import contend, describe
-from .loop_baseline import loop_decode
-from .models import get_attention_shape
+from .machine import describe_machine
+from .ops_common import float32_words, mark_as_bucket, served_form
+from .ops_decode import SglangMismatch, bench_case
 from .ops_extend import COLUMNS as EXTEND_COLUMNS
 from .ops_extend import NEW_LENS, PREFIXES, SHAPES, bench_extend_case, matmul_gflops
-from .report import OneLineParser, int_at_least
+from .ops_verify import COLUMNS as VERIFY_COLUMNS
+from .ops_verify import bench_verify_case
+from .report import BUSY_WARNING, OneLineParser, check_writable, int_at_least, write_json
+from .sweep import COLUMNS as SWEEP_COLUMNS
+from .sweep import SWEEP_LENS, run_sweep
+
+# bench_case and the helpers moved to ops_decode.py / ops_common.py; still importable from here
+__all__ = ["KV_DTYPE_NAMES", "SglangMismatch", "bench_case", "float32_words", "main", "mark_as_bucket",
+           "served_form"]
 
 KV_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DECODE_COLUMNS = ["op", "bs", "lens", "slots", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms",
+                  "eager_x", "compiled_x", "served", "served_x", "x_read", "compiled_GBps"]
 
 
 def _copy_gbps(nbytes: int = 256 << 20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
     return 2 * nbytes / median(time_fn(lambda: dst.copy_(src), warmup=2, iters=5)) / 1e9
-
-
-def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None,
-                 native=None):
-    """One decode call as the benchmarks time it; ``native=False``: inductor's traced form, not the C++ kernel."""
-    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
-                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, native=native)
-
-
-def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
-    """One contiguous 1-D tensor holding the K/V bytes the batch's decode reads (K and V rows of every request's
-    tokens; for MLA the latent K only, V is a view of it): a plain ``.sum()`` over it is the one-pass read the
-    attention cannot beat (the physical bound column)."""
-    slots = torch.cat([b.req_to_token[r, :n].long() for r, n in zip(b.rows.tolist(), lens, strict=True)])
-    parts = [b.k_cache[slots].reshape(-1)] + ([] if mla else [b.v_cache[slots].reshape(-1)])
-    return float32_words(torch.cat(parts))
-
-
-def float32_words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as one flat tensor of float32 words, to be summed as a one-pass read (values do
-    not matter): ATen's float sum streams at memory speed, while its integer and float8 sums are several times
-    slower than a read."""
-    flat = t.reshape(-1)
-    return flat.view(torch.float32) if flat.dtype != torch.float32 and flat.nbytes % 4 == 0 else flat
-
-
-def mark_as_bucket(q, k_cache, v_cache, table, block_offsets) -> None:
-    """Compile as a ``DecodeGraphs`` / ``VerifyGraphs`` bucket does (``graphs.runner_helpers.mark_fixed_dims``): the
-    cache, the table, the block size and q's head dims static, the batch and block counts symbolic."""
-    for t in (k_cache, v_cache, table, block_offsets):
-        torch._dynamo.mark_static(t)
-    for dim in (1, 2):
-        torch._dynamo.mark_static(q, dim)
-
-
-def served_form(compiled, eager, iters: int = 2) -> str:
-    """What a bucket of ``DecodeGraphs`` would replay for this op: its warm-up's measurement (``iters``
-    interleaved runs of each, the fastest of each) and ``graphs.faster_form``: "compiled" or "eager"."""
-    t = time_interleaved({"compiled": compiled, "eager": eager}, warmup=0, iters=iters)
-    return faster_form(min(t["compiled"]), min(t["eager"]))
-
-
-def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
-               lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
-               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered", traced: bool = False) -> dict:
-    """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
-    list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
-    after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s).
-    ``page_size``: the cache's pages (SGLang's paged layout); ``kv_dtype``: the cache's dtype (default ``dtype``;
-    float8 caches are read with a scale of 0.5, the loop casting and scaling per request); ``slot_layout``: where
-    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out); ``traced``:
-    also the compiled step without the C++ kernel (``native_decode``), where the kernel serves the case."""
-    shape = get_attention_shape(name)
-    g = torch.Generator().manual_seed(seed + bs)
-    if lens is None:
-        lens = (torch.randint(256, 2049, (bs,), generator=g).tolist() if lens_kind == "mixed" else [1024] * bs)
-    elif len(lens) != bs:
-        raise ValueError(f"bench_case: {len(lens)} lens for batch size {bs}")
-    kv_dtype = kv_dtype or dtype
-    b = make_batch(lens, hq=shape.hq, hkv=shape.hkv, dqk=shape.dqk, dv=shape.dv, mla=shape.mla, dtype=dtype,
-                   seed=seed, decode=True, page_size=page_size, kv_dtype=kv_dtype, slot_layout=slot_layout)
-    q, k_cache, v_cache, table = b.q, b.k_cache, b.v_cache, b.req_to_token
-    scale = shape.dqk ** -0.5
-    kv_scale = 0.5 if kv_dtype in FP8_DTYPES else None
-    meta = plan_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, page_size=page_size)
-    args = (q, k_cache, v_cache, table, meta.inputs, scale, shape.mla, page_size, kv_scale)
-    mark_as_bucket(q, k_cache, v_cache, table, meta.inputs.block_offsets)
-    compiled = compile_step(_decode_step)
-
-    def loop():
-        return loop_decode(q, k_cache, v_cache, table, b.rows, b.seq_lens, scale=scale, k_scale=kv_scale,
-                           v_scale=kv_scale)
-
-    def eager():
-        return _decode_step(*args)
-
-    def comp():
-        return compiled(*args)
-
-    ref = loop()
-    for fn in (eager, comp):  # the three must agree before any of them is timed
-        torch.testing.assert_close(fn().float(), ref.float(), atol=2e-2, rtol=2e-2)
-    served = served_form(comp, eager)
-    fns = {"loop": loop, "eager": eager, "compiled": comp}
-    if traced and not shape.mla and native_fits(q, k_cache, v_cache):
-        fns["traced"] = lambda: compiled(*args, False)  # native=False: a graph of its own (a constant to dynamo)
-        torch.testing.assert_close(fns["traced"]().float(), ref.float(), atol=2e-2, rtol=2e-2)
-    if bound:
-        kv = _kv_bytes_copy(b, lens, shape.mla)
-        fns["read"] = kv.sum
-    # round-robin, so a neighbour's burst on this shared machine slows all of them alike
-    times = time_interleaved(fns, warmup=1, iters=iters)
-    t = {k: median(v) for k, v in times.items()}
-    kv_bytes = sum(lens) * shape.hkv * (shape.dqk + (0 if shape.mla else shape.dv)) * k_cache.element_size()
-    row = {"op": f"{name} decode", "bs": bs, "lens": lens_kind, "slots": slot_layout, "page": page_size,
-           "kv": str(kv_dtype).replace("torch.", "").replace("float8_", "fp8_"), "loop_ms": t["loop"] * 1e3,
-           "eager_ms": t["eager"] * 1e3, "compiled_ms": t["compiled"] * 1e3,
-           "eager_x": t["loop"] / t["eager"], "compiled_x": t["loop"] / t["compiled"],
-           "served": served, "served_x": t["loop"] / t[served],
-           "compiled_GBps": kv_bytes / t["compiled"] / 1e9, "tokens": sum(lens), "kv_bytes": kv_bytes}
-    if bound:
-        row["read_ms"] = t["read"] * 1e3
-        row["x_read"] = t["compiled"] / t["read"]
-    if "traced" in t:
-        row["traced_ms"] = t["traced"] * 1e3
-        row["native_x"] = t["traced"] / t["compiled"]
-    return row
 
 
 def _parse(argv):
@@ -154,8 +62,9 @@ def _parse(argv):
     p.add_argument("--draft", nargs="+", default=["2", "4", "8", "tree8"], choices=["2", "4", "8", "tree8"],
                    help="verify: k draft tokens as a chain, or tree8 (a random tree of 8)")
     p.add_argument("--warm", action="store_true",
-                   help="verify: every call reads the same K/V (from cache where it fits; default: each call the next "
-                        "of copies of it that together exceed 1.5x the last-level cache, from memory)")
+                   help="decode and verify (not --sweep-len): every call reads the same K/V (from cache where it fits; "
+                        "default: each call the next of copies of it that together exceed 1.5x the last-level cache, "
+                        "from memory)")
     p.add_argument("--window", type=int, nargs="+", default=[None],
                    help="verify: sliding windows (a window layer's, e.g. gpt-oss's 128); default: none")
     p.add_argument("--batch-size", nargs="+", type=int_at_least(1), default=None,
@@ -182,71 +91,151 @@ def _parse(argv):
                         f"{ENGINE_DECODE_TAIL} decode steps a batch apart, as a fresh SGLang pool hands them out)")
     p.add_argument("--traced", action="store_true",
                    help="decode: also time the compiled step without the C++ kernel (inductor's traced loops)")
+    p.add_argument("--against", nargs="+", default=[], choices=["sglang"],
+                   help="decode (mha, mla; bf16/fp16): also time SGLang's own CPU decode kernel (decode_attention_cpu, "
+                        "from the kit at --sglang-kit, built there on first use), checked against ours first; "
+                        "sglang/compiled = its time / ours (> 1: ours is faster)")
+    p.add_argument("--sglang-kit", default=None, metavar="PATH",
+                   help=f"the SGLang CPU attention kit (a folder with its build.py; default: ${sglang_kit.KIT_ENV}, "
+                        f"else {sglang_kit.DEFAULT_KIT} where it exists)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write every table's rows and columns, the notes and the machine here")
     add_malloc_flag(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_writable(p, "--json", args.json)
+    return args
 
 
-def _run_cases(args) -> None:
-    """Every requested table (sweep, decode ops, extend ops) and the copy bandwidth, under one contention."""
-    from .sweep import SWEEP_LENS, run_sweep  # sweep imports bench_case from here
+def _note(report: dict, line: str) -> None:
+    """Print a line under a table and keep it for the JSON."""
+    print(line, flush=True)
+    report["notes"].append(line)
 
+
+def _table(report: dict, name: str, rows: list[dict], columns: list[str]) -> None:
+    """Print a table and keep every row (all its keys, printed or not) and the printed columns for the JSON."""
+    print(format_table(rows, columns), flush=True)
+    report["tables"][name] = {"columns": columns, "rows": rows}
+
+
+def _cache_note(args, cold: int) -> str:
+    return ("every call reads the same K/V, as the call before left it in cache (--warm)" if args.warm else
+            "every call reads its K/V from memory, as a layer's in a serving step (copies of it, "
+            f"{cold / 2**20:.0f} MiB, read in turn; --warm: one)")
+
+
+def _load_sglang(args, report: dict, decode_ops: list[str]):
+    """The SGLang kit's op namespace where ``--against sglang`` asks for it and it loads, else None (one line)."""
+    if "sglang" not in args.against:
+        return None
+    if not decode_ops:
+        _note(report, "sglang: --against sglang adds a column to the mha / mla decode tables only (none requested)")
+        return None
+    path = args.sglang_kit if args.sglang_kit is not None else sglang_kit.default_kit_path()
+    kit = sglang_kit.load_kit(path)
+    report["sglang"] = {"kit": kit.path, "library": kit.library, "loaded": kit.ops is not None, "line": kit.line}
+    _note(report, kit.line)
+    return kit.ops
+
+
+def _decode_table(args, report: dict, decode_ops: list[str], dtype, cold: int) -> None:
+    sglang = _load_sglang(args, report, decode_ops)
+    kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
+    rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True,
+                       slot_layout=layout, traced=args.traced, cold_bytes=cold, sglang=sglang)
+            for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
+            for layout in args.slot_layout for page in args.page_size for kv in kv_dtypes
+            if not (layout == "engine" and page > 1)]
+    cols = DECODE_COLUMNS + (["traced_ms", "native_x"] if args.traced else [])
+    cols += ["sglang_ms", "sglang/compiled"] if sglang is not None else []
+    for r in rows:
+        r["busy"] = "?" if r["others_cpu"] is None else "*" if r["others_cpu"] > BUSY_WARNING else ""
+    busy = any(r["busy"] == "*" for r in rows)
+    _table(report, "decode", rows, cols + (["busy"] if busy else []))
+    if busy:
+        _note(report, f"busy *: other processes used > {100 * BUSY_WARNING:.0f}% of the CPUs while that row was "
+              "timed (others_cpu in --json): its times are not reliable; ?: too short to tell")
+    _note(report, "x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
+          "GBps: the cache bytes stored (in the cache's dtype) / compiled time; served: the form a DecodeGraphs "
+          "bucket replays (its warm-up times compiled against eager and keeps compiled unless eager is "
+          f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop"
+          + ("; traced: compiled without the C++ kernel, native_x = traced / compiled" if args.traced else "")
+          + "; " + _cache_note(args, cold))
+    if sglang is not None:
+        checked = [r["sglang_diff"] for r in rows if "sglang_ms" in r]
+        if checked:
+            _note(report, "sglang_ms: SGLang's decode_attention_cpu (its intel_amx backend's call: 8 KV splits, no "
+                  "K/V write), timed in the same rounds and on the same K/V copies; sglang/compiled = sglang_ms / "
+                  f"compiled_ms (> 1: ours is faster); its output matched ours on each case's first call (max abs "
+                  f"diff {max(checked):.2g})")
+        for why in dict.fromkeys(r["sglang_skipped"] for r in rows if "sglang_skipped" in r):
+            kinds = sorted({r["kv"] for r in rows if r.get("sglang_skipped") == why})
+            _note(report, f"sglang: no column for the {'/'.join(kinds)} rows: {why}")
+
+
+def _run_cases(args, report: dict) -> None:
+    """Every requested table (sweep, decode ops, verify, extend ops) and the copy bandwidth, under one contention;
+    each table and the lines under it also go into ``report``."""
     dtype = getattr(torch, args.dtype)
     ops = args.ops if args.ops is not None else ([] if args.sweep_len is not None else ["mha", "mla"])
+    cold = 0 if args.warm else int(1.5 * last_level_cache_bytes())
+    report["cold_bytes"] = cold
     if args.sweep_len is not None:
-        run_sweep(args.sweep_len or SWEEP_LENS, iters=args.iters, dtype=dtype)
+        report["tables"]["sweep"] = {"columns": SWEEP_COLUMNS,
+                                     "rows": run_sweep(args.sweep_len or SWEEP_LENS, iters=args.iters, dtype=dtype)}
     decode_ops = [op for op in ops if op in ("mha", "mla")]
     extend_ops = [op for op in ops if op in SHAPES]
     if decode_ops:
-        kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
-        rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True,
-                           slot_layout=layout, traced=args.traced)
-                for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
-                for layout in args.slot_layout for page in args.page_size for kv in kv_dtypes
-                if not (layout == "engine" and page > 1)]
-        cols = ["op", "bs", "lens", "slots", "page", "kv", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "eager_x",
-                "compiled_x", "served", "served_x", "x_read", "compiled_GBps"]
-        cols += ["traced_ms", "native_x"] if args.traced else []
-        print(format_table(rows, cols), flush=True)
-        print("x_read: compiled time / the one-pass read of the same cache bytes (.sum over a contiguous copy); "
-              "GBps: the cache bytes stored (in the cache's dtype) / compiled time; served: the form a DecodeGraphs "
-              "bucket replays (its warm-up times compiled against eager and keeps compiled unless eager is "
-              f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop"
-              + ("; traced: compiled without the C++ kernel, native_x = traced / compiled" if args.traced else ""))
+        _decode_table(args, report, decode_ops, dtype, cold)
+    else:
+        _load_sglang(args, report, decode_ops)  # says that the column is the decode tables' only, where asked
     if "verify" in ops:
-        from .ops_verify import COLUMNS as VERIFY_COLUMNS
-        from .ops_verify import bench_verify_case
-
-        cold = 0 if args.warm else int(1.5 * last_level_cache_bytes())
         rows = [bench_verify_case(bs, int(d.removeprefix("tree")), d.startswith("tree"), args.iters,
                                   slot_layout=layout, dtype=dtype, window=window, cold_bytes=cold)
                 for window in args.window for layout in args.slot_layout for d in args.draft
                 for bs in args.batch_size or [1, 8, 32]]
-        print(format_table(rows, VERIFY_COLUMNS), flush=True)
-        print("x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: the "
-              "masked per-request SDPA loop / verify; _eager: uncompiled, as SGLang's CPU speculation runs verify "
-              "(eager_x_decode1: verify / decode step, both so); cached_x_decode1: verify over K/V in cache (every "
-              "slot folded into a few: the arithmetic alone) / one decode step, the least x_decode1 could be with "
-              "every read overlapped; x_read: verify / a one-pass read of the K/V bytes (.sum); "
-              + ("every call reads the same K/V, as the call before left it in cache (--warm)" if args.warm else
-                 "every call reads its K/V from memory, as a layer's in a serving step (copies of it, "
-                 f"{cold / 2**20:.0f} MiB, read in turn; --warm: one)"))
+        _table(report, "verify", rows, VERIFY_COLUMNS)
+        _note(report, "x_decode1: verify time / one decode step (the K/V are read once for all k queries); loop_x: "
+              "the masked per-request SDPA loop / verify; _eager: uncompiled, as SGLang's CPU speculation runs "
+              "verify (eager_x_decode1: verify / decode step, both so); cached_x_decode1: verify over K/V in cache "
+              "(every slot folded into a few: the arithmetic alone) / one decode step, the least x_decode1 could be "
+              "with every read overlapped; x_read: verify / a one-pass read of the K/V bytes (.sum); "
+              + _cache_note(args, cold))
     if extend_ops:
         rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
                 for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
-        print(format_table(rows, EXTEND_COLUMNS))
-        print(f"float32 matmul 2048^3: {matmul_gflops():.0f} GFLOP/s (the compute roof for the GFLOPs column)")
-    print(f"plain copy bandwidth (read+write): {_copy_gbps():.1f} GB/s; threads={torch.get_num_threads()}")
+        _table(report, "extend", rows, EXTEND_COLUMNS)
+        report["matmul_GFLOPs"] = matmul_gflops()
+        _note(report, f"float32 matmul 2048^3: {report['matmul_GFLOPs']:.0f} GFLOP/s (the compute roof for the "
+              "GFLOPs column)")
+    report["copy_GBps"] = _copy_gbps()
+    _note(report, f"plain copy bandwidth (read+write): {report['copy_GBps']:.1f} GB/s; "
+          f"threads={torch.get_num_threads()}")
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     malloc = not args.no_malloc_tuning and tune_malloc()
     torch.manual_seed(0)
+    start = time.perf_counter()
+    report = {"command": "bench-ops", "argv": argv, "tables": {}, "notes": []}
     # the spinners run for the whole measurement (compiles included), so every row shares the same load
     with contend(args.contend):
-        _run_cases(args)
-    print(f"{describe(args.contend)}; malloc tuning {'on' if malloc else 'off'}; "
+        try:
+            _run_cases(args, report)
+        except SglangMismatch as e:  # SGLang's kernel computed something else: no column, no table
+            print(f"compiled-attn bench-ops: error: {e}", file=sys.stderr)
+            return 1
+    _note(report, f"{describe(args.contend)}; malloc tuning {'on' if malloc else 'off'}; "
           f"{huge_pages_in_use() >> 20} MiB on 2 MiB pages")
+    if args.json:
+        report["config"] = {**vars(args), "threads": torch.get_num_threads(), "malloc_tuning": malloc,
+                            "contention": describe(args.contend), "huge_pages_bytes": huge_pages_in_use()}
+        report["machine"] = describe_machine()
+        report["wall_s"] = time.perf_counter() - start
+        write_json(args.json, report)
+        print(f"json: {args.json}")
     return 0
 
 

@@ -43,7 +43,7 @@ from ..plan import plan_decode
 from ..verify import build_verify_index, plan_verify, verify_blocks
 from .batches import make_batch
 from .models import get_attention_shape
-from .ops import float32_words, mark_as_bucket
+from .ops_common import float32_words, mark_as_bucket
 
 COLUMNS = ["op", "bs", "k", "mask", "window", "slots", "dtype", "verify_ms", "decode1_ms", "decodek_ms", "loop_ms",
            "x_decode1", "decodek_x", "loop_x", "verify_eager_ms", "decode1_eager_ms", "eager_x_decode1",

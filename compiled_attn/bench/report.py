@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -105,6 +106,14 @@ def agreement(results: dict, batch_sizes: list[int]) -> dict:
                  f"(first at request {d['first'][0]}, token {d['first'][1]})" for d in diffs]
         line = "token agreement: MISMATCH " + "; ".join(parts)
     return {"ok": not diffs, "reference": ref_name, "diffs": diffs, "line": line}
+
+
+def write_json(path: str, report: dict) -> None:
+    """A benchmark's report as JSON, as ``compiled-attn bench`` writes its own (indent 1; what JSON cannot hold,
+    a dtype or a device, as its ``str``)."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+        f.write("\n")
 
 
 def write_plot(results: dict, batch_sizes: list[int], path: str) -> None:

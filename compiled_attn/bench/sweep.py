@@ -11,7 +11,7 @@ import torch
 
 from profiling.timers import format_table
 
-from .ops import bench_case
+from .ops_decode import bench_case
 
 SWEEP_LENS = [64, 256, 1024, 2048, 4096, 4160, 8192, 16384]
 COLUMNS = ["len", "loop_ms", "eager_ms", "compiled_ms", "read_ms", "loop_us/1k", "eager_us/1k", "compiled_us/1k",
