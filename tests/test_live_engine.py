@@ -103,19 +103,24 @@ def _worker(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     eng = serve.engine(model_path=spec["model_dir"], **ENGINE_KW, **spec["kwargs"])
-    start_s = time.perf_counter() - t0
-    sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    batch = prompts()
+    result = generate_then_shut_down(eng, prompts(), SINGLES, NEW_TOKENS, time.perf_counter() - t0)
+    singles = result.pop("single_outputs")
+    return dict(result, cached_tokens=[o["meta_info"].get("cached_tokens") for o in singles])
+
+
+def generate_then_shut_down(eng, batch: list[list[int]], singles: tuple, new_tokens: int, start_s: float) -> dict:
+    """Greedy ``new_tokens`` for ``batch`` at once, then for each of ``singles`` (indices) alone; the engine shut down
+    either way. -> start_s, generate_s, batch (token lists), singles (token lists), single_outputs (as returned)."""
+    sampling = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     try:
         t1 = time.perf_counter()
         outs = eng.generate(input_ids=batch, sampling_params=sampling)
-        singles = [eng.generate(input_ids=[batch[i]], sampling_params=sampling)[0] for i in SINGLES]
+        single_outputs = [eng.generate(input_ids=[batch[i]], sampling_params=sampling)[0] for i in singles]
         gen_s = time.perf_counter() - t1
     finally:
         eng.shutdown()
     return dict(start_s=round(start_s, 1), generate_s=round(gen_s, 2), batch=[o["output_ids"] for o in outs],
-                singles=[o["output_ids"] for o in singles],
-                cached_tokens=[o["meta_info"].get("cached_tokens") for o in singles])
+                singles=[o["output_ids"] for o in single_outputs], single_outputs=single_outputs)
 
 
 # --- pytest side ---------------------------------------------------------------------------------------------

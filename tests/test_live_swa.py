@@ -34,6 +34,7 @@ from test_live_engine import (
     _child_env,
     _greedy_within_ties,
     _run_group,
+    generate_then_shut_down,
     greedy_reference,
     prompts,
 )
@@ -108,18 +109,9 @@ def _worker(spec: dict) -> dict:
     eng = serve.engine(model_path=spec["model_dir"], **ENGINE_KW, attention_backend="compiled_attn", dtype="float32",
                        scheduler_target=cpu_fixups.ChildTarget("test_live_swa", "run_scheduler_recording_pool"),
                        **spec["kwargs"])
-    start_s = time.perf_counter() - t0
-    sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    batch = prompts()
-    try:
-        t1 = time.perf_counter()
-        outs = eng.generate(input_ids=batch, sampling_params=sampling)
-        singles = [eng.generate(input_ids=[batch[i]], sampling_params=sampling)[0] for i in SINGLES]
-        gen_s = time.perf_counter() - t1
-    finally:
-        eng.shutdown()
-    return dict(start_s=round(start_s, 1), generate_s=round(gen_s, 2), batch=[o["output_ids"] for o in outs],
-                singles=[o["output_ids"] for o in singles])
+    result = generate_then_shut_down(eng, prompts(), SINGLES, NEW_TOKENS, time.perf_counter() - t0)
+    result.pop("single_outputs")
+    return result
 
 
 # --- pytest side ---------------------------------------------------------------------------------------------

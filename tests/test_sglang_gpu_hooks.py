@@ -36,6 +36,7 @@ from test_sglang_speculative import (  # noqa: E402 (its batches, float64 refere
     _runner_buffers,
     _tree_masks,
     _verify_batch,
+    fill_runner_buffers,
 )
 
 import compiled_attn.sglang.speculative as S  # noqa: E402
@@ -95,19 +96,9 @@ def _verify_step(backend, buf, layers, batch, spec, *, refill: bool, draft_done=
     """One verify step through the graph of the smallest captured size that fits (4 here): buffers, out_graph on
     the runner's view (the mask as the plan stream reads it), ``draft_done()`` (the draft finishing after that, if
     given), in_graph, the refill when ``refill``, the layers. Returns the real rows' outputs per layer."""
-    n, fb = batch.num_real_reqs, batch.forward_batch
+    n = batch.num_real_reqs
     bs = MAX_BS
-    buf.req_pool_indices.zero_()[:n] = fb.req_pool_indices
-    buf.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())[:n] = fb.seq_lens
-    buf.seq_lens_cpu.copy_(buf.seq_lens)
-    buf.out_cache_loc.zero_()[: n * K] = fb.out_cache_loc
-    for lid, (q, k, v) in buf.qkv.items():
-        ld = batch.layers[lid]
-        for dst, src in ((q, ld.q), (k, ld.k), (v, ld.v)):
-            dst.zero_()[: n * K] = src.view(n * K, *dst.shape[1:])
-    view = SimpleNamespace(batch_size=bs, forward_mode=SG.ForwardMode.TARGET_VERIFY, num_padding=bs - n,
-                           req_pool_indices=buf.req_pool_indices[:bs], seq_lens=buf.seq_lens[:bs],
-                           seq_lens_cpu=buf.seq_lens_cpu[:bs], out_cache_loc=fb.out_cache_loc, spec_info=spec)
+    view = fill_runner_buffers(backend, buf, batch, spec, bs)
     static = _static_batch(buf, bs)
     backend.init_forward_metadata_out_graph(view)
     if draft_done is not None:

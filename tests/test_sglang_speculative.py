@@ -282,11 +282,10 @@ def _capture(backend, buf, layers, bs, compiles, k=K, compile=True):
     return step
 
 
-def _replay(backend, buf, graphs, batch, spec, g):
-    """Copy the batch into the static buffers, pad it to the smallest captured size, run the out-of-graph hook on
-    the runner's view (live spec_info, num_padding) and replay. Returns the real rows' outputs per layer."""
+def fill_runner_buffers(backend, buf, batch, spec, bs):
+    """The graph runner's load_batch: the batch's rows into the static buffers, the tail padded (``bs`` rows in
+    all); returns the runner's view the out-of-graph hook reads (live spec_info, num_padding)."""
     n, fb = batch.num_real_reqs, batch.forward_batch
-    bs = min(b for b in graphs if b >= n)
     buf.req_pool_indices.zero_()[:n] = fb.req_pool_indices
     buf.seq_lens.fill_(backend.get_cuda_graph_seq_len_fill_value())[:n] = fb.seq_lens
     buf.seq_lens_cpu.copy_(buf.seq_lens)
@@ -295,9 +294,17 @@ def _replay(backend, buf, graphs, batch, spec, g):
         ld = batch.layers[lid]
         for dst, src in ((q, ld.q), (k, ld.k), (v, ld.v)):
             dst.zero_()[: n * K] = src.view(n * K, *dst.shape[1:])
-    view = SimpleNamespace(batch_size=bs, forward_mode=SG.ForwardMode.TARGET_VERIFY, num_padding=bs - n,
+    return SimpleNamespace(batch_size=bs, forward_mode=SG.ForwardMode.TARGET_VERIFY, num_padding=bs - n,
                            req_pool_indices=buf.req_pool_indices[:bs], seq_lens=buf.seq_lens[:bs],
                            seq_lens_cpu=buf.seq_lens_cpu[:bs], out_cache_loc=fb.out_cache_loc, spec_info=spec)
+
+
+def _replay(backend, buf, graphs, batch, spec, g):
+    """Copy the batch into the static buffers, pad it to the smallest captured size, run the out-of-graph hook on
+    the runner's view (live spec_info, num_padding) and replay. Returns the real rows' outputs per layer."""
+    n, fb = batch.num_real_reqs, batch.forward_batch
+    bs = min(b for b in graphs if b >= n)
+    view = fill_runner_buffers(backend, buf, batch, spec, bs)
     with H.parallel_scope(), SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=fb):
         backend.init_forward_metadata_out_graph(view)
         outs = graphs[bs]()
