@@ -321,8 +321,8 @@ class DecodeGraphs:
         """The one slot-range rule of ``plan_decode``, applied before a replay (module doc of ``validate``)."""
         num_slots = cache_slots(persistent)
         n, planned = meta.num_real, meta.inputs
-        needed = total_blocks_needed(planned.kv_lo[:n].cpu(), planned.kv_hi[:n].cpu(), meta.block_size,
-                                     meta.page_size)
+        lo, hi = planned.kv_lo[:n].cpu(), planned.kv_hi[:n].cpu()  # read once (a sync on CUDA), used twice
+        needed = total_blocks_needed(lo, hi, meta.block_size, meta.page_size)
         if meta.blocks_needed < needed:
             raise ValueError(f"metadata blocks_needed {meta.blocks_needed} is below the {needed} blocks its ranges "
                              "take (kv_lo, kv_hi): plan it with plan_decode, or count them with total_blocks_needed")
@@ -330,8 +330,7 @@ class DecodeGraphs:
             if spec.slots and name in rows:
                 validate.check_slot_values(name, rows[name][: meta.num_real], num_slots)
         if not meta.slots_checked:
-            validate.check_slots(persistent["req_to_token"], planned.req_rows[:n].cpu(), planned.kv_lo[:n].cpu(),
-                                 planned.kv_hi[:n].cpu(), num_slots)
+            validate.check_slots(persistent["req_to_token"], planned.req_rows[:n].cpu(), lo, hi, num_slots)
 
     @property
     def stats(self):

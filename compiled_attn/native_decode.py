@@ -101,11 +101,12 @@ def requested_isa(value: str | None = None) -> str | None:
     value = os.environ.get(ISA_ENV, "") if value is None else value
     if value in ("", "native"):
         return None
-    supported = ", ".join(cpu_isa_levels()) or "none of them"
+    levels = cpu_isa_levels()
+    supported = ", ".join(levels) or "none of them"
     if value not in ISA_LEVELS:
         raise ValueError(f"{ISA_ENV}={value!r} is not a level: one of {', '.join(ISA_LEVELS)} or native (this CPU "
                          f"supports: {supported})")
-    if value not in cpu_isa_levels():
+    if value not in levels:
         raise ValueError(f"{ISA_ENV}={value!r} is above what this CPU supports ({supported}): a build for it would "
                          "not run here")
     return value

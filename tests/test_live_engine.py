@@ -268,7 +268,12 @@ def jobs(request, models, tmp_path_factory):
             futures[name] = pool.submit(_engine_job, models[preset][0], kwargs, str(tmp_path_factory.mktemp(name)))
     yield futures
     pool.shutdown(wait=True)
-    if os.environ.get("COMPILED_ATTN_LIVE_TIMINGS"):  # where to write each job's timings (JSON)
+    write_live_timings(futures)
+
+
+def write_live_timings(futures: dict) -> None:
+    """Each finished job's timings, as JSON to ``$COMPILED_ATTN_LIVE_TIMINGS`` where it is set."""
+    if os.environ.get("COMPILED_ATTN_LIVE_TIMINGS"):
         with open(os.environ["COMPILED_ATTN_LIVE_TIMINGS"], "w") as f:
             json.dump({k: {t: v.result().get(t) for t in ("wall_s", "start_s", "generate_s")}
                        for k, v in futures.items()}, f, indent=1)

@@ -30,6 +30,7 @@ from test_live_engine import (
     assert_greedy,
     greedy_reference,
     reference_model,
+    write_live_timings,
 )
 
 pytestmark = pytest.mark.live
@@ -146,10 +147,7 @@ def jobs(request, models, tmp_path_factory):
             futures[name] = pool.submit(_engine_job, models[preset][0], kwargs, str(tmp_path_factory.mktemp(name)))
     yield futures
     pool.shutdown(wait=True)
-    if os.environ.get("COMPILED_ATTN_LIVE_TIMINGS"):  # where to write each job's timings (JSON)
-        with open(os.environ["COMPILED_ATTN_LIVE_TIMINGS"], "w") as f:
-            json.dump({k: {t: v.result().get(t) for t in ("wall_s", "start_s", "generate_s")}
-                       for k, v in futures.items()}, f, indent=1)
+    write_live_timings(futures)
 
 
 @pytest.mark.parametrize("name", _engine_params())

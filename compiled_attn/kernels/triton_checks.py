@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_dtype import KV_DTYPES
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES
+
 MAX_HEAD_DIM = 576
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-Q_DTYPES = (torch.float32, *HALF_DTYPES)
+Q_DTYPES = FLOAT_DTYPES  # the queries the library takes, and the caches: the same dtypes as its other forms
+CACHE_DTYPES = KV_DTYPES
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # 0: the cache holds its values as they are
-CACHE_DTYPES = (*Q_DTYPES, *FP8_CODES)
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:

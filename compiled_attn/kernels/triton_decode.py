@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .triton_checks import HALF_DTYPES, check_extras, check_kv, check_rows, check_settings
+from ..kv_dtype import compute_dtype
+from .triton_checks import check_extras, check_kv, check_rows, check_settings
 
 COMPUTE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -234,7 +235,8 @@ def compute_code(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8: int) -> in
     """The dot products' dtype: the query's half precision over a cache of that dtype or float8, else float32 (a
     float32 cache is never rounded down). The interpreter holds bfloat16 as raw uint16 (its dot would multiply the
     bits), so there bf16 runs in float32."""
-    dtype = q_dtype if q_dtype in HALF_DTYPES and (cache_dtype == q_dtype or fp8) else torch.float32
+    # a float8 cache arrives as its uint8 bytes: named by its float8 dtype for the library's rule
+    dtype = compute_dtype(q_dtype, torch.float8_e4m3fn if fp8 else cache_dtype)
     if dtype == torch.bfloat16 and is_interpreted():
         dtype = torch.float32
     return COMPUTE_CODES[dtype]
