@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphs import BucketPolicy, BufferSpec, GraphRunner, StaticBuffers, cdiv
+from graphs import BucketedGraphs, BucketPolicy, BufferSpec, StaticBuffers, cdiv
 
 from . import validate
 from .compile_policy import compile_step
@@ -26,7 +26,7 @@ from .metadata import DecodeInputs, DecodeMetadata
 
 #: the per-row fields of ``DecodeInputs`` (req_rows, kv_lo, kv_hi; the other two are unbatched aranges)
 ROW_FIELDS = DecodeInputs._fields[:3]
-#: rows of a compiled bucket's buffers at least (``DecodeGraphs._make_buffers``)
+#: rows of a compiled bucket's buffers at least (``DecodeGraphs._buffer_specs``)
 MIN_COMPILED_ROWS = 2
 
 
@@ -75,12 +75,9 @@ class GraphConfig:
     block_size: int = 64
     min_kv_tokens: int = 256
     kv_growth: float = 2.0
-    # runs per bucket before capture; None: 2 on CUDA (a run on the side stream before capture), 1 on CPU, where
-    # the first run compiles and nothing is captured, so a second run only lengthens start-up
+    # these three, enable_torch_compile and disable_cuda_graph: see graphs.BucketedGraphs
     warmup_iters: int | None = None
     progress: bool = True
-    # CPU compiled replay: time the compiled and the eager step on each bucket at warm-up and replay the faster
-    # (GraphRunner's eager_fn); off: always the compiled step
     measure_compile: bool = True
 
     def __post_init__(self):
@@ -116,11 +113,15 @@ def check_config(config: GraphConfig) -> BucketPolicy:
     return policy
 
 
-def check_row_specs(arg: str, specs: Mapping[str, RowInput]) -> dict[str, RowInput]:
-    """``specs`` (the caller's per-row or per-token inputs, named ``arg``) as a dict of ``RowInput``."""
+def check_row_specs(arg: str, specs: Mapping[str, RowInput], taken: Sequence[str] = (),
+                    taken_by: str = "") -> dict[str, RowInput]:
+    """``specs`` (the caller's per-row or per-token inputs, named ``arg``) as a dict of ``RowInput``; a name in
+    ``taken`` (the step's own inputs, ``taken_by`` in the error) is a ValueError."""
     for name, spec in specs.items():
         if not isinstance(spec, RowInput):
             raise TypeError(f"{arg}[{name!r}] must be a RowInput, got {type(spec).__name__}")
+        if name in taken:
+            raise ValueError(f"{arg}[{name!r}] clashes with {taken_by} of the same name")
     return dict(specs)
 
 
@@ -148,43 +149,26 @@ def check_row_values(arg: str, given: Mapping[str, torch.Tensor], specs: Mapping
             validate.check_slot_values(f"{arg}[{name!r}]", t, num_slots)
 
 
-def table_width(persistent: Mapping[str, torch.Tensor]) -> int:
-    """The width of ``persistent["req_to_token"]`` (max_context_len), the table every step indexes; it bounds a
-    warm-up batch. ValueError when it is missing or not a 2-D table of at least one column."""
+def warmup_width(persistent: Mapping[str, torch.Tensor], max_context_len: int | None) -> int:
+    """The most keys one request of a warm-up batch reads: the width of ``persistent["req_to_token"]`` (the table
+    every step indexes), bounded by ``max_context_len`` when set. ValueError when the table is missing or not a
+    2-D table of at least one column."""
     table = persistent.get("req_to_token")
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < 1:
         raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
                          f"table every step indexes; got {type(table).__name__ if table is not None else 'none'}"
                          f" (keys: {sorted(persistent)})")
-    return int(table.shape[1])
+    return min(int(table.shape[1]), max_context_len or int(table.shape[1]))
 
 
-def kv_bucket_reachable(config: GraphConfig, policy: BucketPolicy, bs: int, kv: int) -> bool:
-    """Whether a batch of ``bs`` rows can need the KV bucket ``kv`` (each row reads <= max_context_len tokens,
-    rounded up to whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
+def reachable_keys(config: GraphConfig, policy: BucketPolicy) -> list[tuple[int, int]]:
+    """The policy's ``(bs, kv)`` keys some batch can need (each row reads <= max_context_len tokens, rounded up to
+    whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
     if config.max_context_len is None:
-        return True
-    blocks = cdiv(config.max_context_len, config.block_size)
-    smaller = [c for c in policy.kv_capacities if c < kv]
-    return (max(smaller) if smaller else 0) < bs * blocks * config.block_size
-
-
-def bucket_runners(step_fn: Callable, eager_fn: Callable, keys: Sequence, config: GraphConfig,
-                   device: torch.device, make_buffers: Callable) -> list[GraphRunner]:
-    """The ``GraphRunner`` of a bucketed step's keys (``key[0]``: the batch bucket): buckets up to
-    ``torch_compile_max_bs`` replay the compiled step (``enable_torch_compile``; on CPU whichever of it and
-    ``eager_fn`` measured faster, with ``measure_compile``), larger ones the eager step (still captured on CUDA);
-    a batch beyond every bucket runs the compiled (or eager) step without a graph."""
-    use_graph = device.type == "cuda" and not config.disable_cuda_graph
-    compiled = compile_step(step_fn) if config.enable_torch_compile else None
-    fallback = compiled or step_fn
-    small = [k for k in keys if k[0] <= config.torch_compile_max_bs]
-    large = [k for k in keys if k[0] > config.torch_compile_max_bs]
-    return [GraphRunner(fn or step_fn, make_buffers=make_buffers, keys=group, device=device,
-                        use_cuda_graph=use_graph, fallback_fn=lambda i, p: fallback(i, p),
-                        warmup_iters=config.warmup_iters or (2 if use_graph else 1), progress=config.progress,
-                        eager_fn=eager_fn if fn is not None and config.measure_compile else None)
-            for group, fn in ((small, compiled), (large, None)) if group]
+        return list(policy.keys())
+    row = cdiv(config.max_context_len, config.block_size) * config.block_size
+    below = dict(zip(policy.kv_capacities, (0, *policy.kv_capacities[:-1]), strict=True))  # KV bucket -> one below
+    return [(bs, kv) for bs, kv in policy.keys() if below[kv] < bs * row]
 
 
 def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
@@ -197,7 +181,7 @@ def cache_slots(persistent: Mapping[str, torch.Tensor]) -> int:
     return min(sizes)
 
 
-class DecodeGraphs:
+class DecodeGraphs(BucketedGraphs):
     """Warm-up and replay of a decode step over (batch bucket, KV-token bucket) keys.
 
     ``run`` takes the real batch's ``DecodeMetadata`` (planned without padding) and per-row inputs, picks the
@@ -216,16 +200,12 @@ class DecodeGraphs:
         self.policy = check_config(config)
         self.row_inputs = check_row_specs("row_inputs", row_inputs)
         self.check_slots = check_slots
-        self.config = config
-        self.device = torch.device(device)
-        keys = [k for k in self.policy.keys() if kv_bucket_reachable(config, self.policy, *k)]
-        self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
-        self._step_fn = step_fn
-        # the input dicts of compiled one-row buckets (held with a padding row: ``_make_buffers``), by id
+        super().__init__(step_fn, config=config, device=device, compile_fn=compile_step)
+        self._width = 0  # set by warmup() (warmup_width): the most keys a warm-up request reads
+        # the input dicts of compiled one-row buckets (held with a padding row: ``_buffer_specs``), by id
         self._padded_one_row: set[int] = set()
         self._eager_keys: set[tuple[int, int]] = set()  # buckets that replay the eager step (set by warmup)
-        self.runners = bucket_runners(step_fn, self._eager_step, keys, config, self.device, self._make_buffers)
-        self._runner_of = {k: r for r in self.runners for k in r.keys}
+        self._build_runners(reachable_keys(config, self.policy), config.torch_compile_max_bs)
 
     def _eager_step(self, inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]):
         """The uncompiled step as a bucket's eager form: a one-row bucket's padding row, there for the compiled
@@ -235,49 +215,44 @@ class DecodeGraphs:
             inputs = {name: t[:1] if name in batched else t for name, t in inputs.items()}
         return self._step_fn(inputs, persistent)
 
-    def _compiles(self, bs: int) -> bool:
-        """Whether buckets of ``bs`` rows run the compiled step (``enable_torch_compile``, ``torch_compile_max_bs``)."""
-        return self.config.enable_torch_compile and bs <= self.config.torch_compile_max_bs
-
-    def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
+    def _buffer_specs(self, key: tuple[int, int]) -> dict[str, BufferSpec]:
         bs, kv_tokens = key
         # A compiled step never sees a batch of one row: dynamo specializes a size of 1, so a one-row bucket would
         # compile a second graph at start-up (4-10 s for bench-step's 4 layers) to save one padding row, which has
         # an empty KV range (no attention work) and costs little in weight-bound projections.
-        rows = max(bs, MIN_COMPILED_ROWS) if self._compiles(bs) else bs
+        compiles = self._compiled is not None and bs <= self.config.torch_compile_max_bs
+        rows = max(bs, MIN_COMPILED_ROWS) if compiles else bs
         specs = {name: BufferSpec((rows,), torch.int64, fill=0) for name in ROW_FIELDS}
         specs["block_ids"] = BufferSpec((kv_tokens // self.config.block_size,), torch.int64, batch_dim=None)
         specs["block_offsets"] = BufferSpec((self.config.block_size,), torch.int64, batch_dim=None)
         for name, spec in self.row_inputs.items():
             specs[name] = BufferSpec((rows, *spec.shape), spec.dtype, fill=spec.fill)
-        buffers = StaticBuffers(specs, self.device)
-        if rows != bs:
+        return specs
+
+    def _make_buffers(self, key: tuple[int, int]) -> StaticBuffers:
+        buffers = super()._make_buffers(key)
+        if buffers.bucket != key[0]:
             self._padded_one_row.add(id(buffers.tensors))
-        if self.device.type == "cpu":
-            self._fill_warmup_batch(buffers, key)
         return buffers
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: tuple[int, int]) -> None:
         """CPU: warm a bucket on a batch that does its full work, every row reading request row 0 over an equal
         share of the bucket's blocks (new K/V still go to the padding slot; outputs are discarded). On an all-padding
         batch the CPU decode kernel skips all work, and the first real step paid its first-call costs instead
-        (``bench-step`` shows it as the first step / median ratio). Each real run then overwrites every
-        row, padding rows included."""
-        width = min(self._table_width, self.config.max_context_len or self._table_width)
+        (``bench-step`` shows it as the first step / median ratio)."""
+        if self.device.type != "cpu":
+            return
         bs, kv_tokens = key
         block = self.config.block_size
-        buffers.tensors["kv_hi"][:bs].fill_(min(max(kv_tokens // bs // block, 1) * block, width))
+        buffers.tensors["kv_hi"][:bs].fill_(min(max(kv_tokens // bs // block, 1) * block, self._width))
         buffers.tensors["block_ids"].copy_(torch.arange(kv_tokens // block))
         buffers.tensors["block_offsets"].copy_(torch.arange(block))
 
     def warmup(self, persistent: Mapping[str, torch.Tensor],
                choices: Mapping[tuple[int, int], str] | None = None) -> dict:
-        """Compile and capture every bucket; returns ``{(bs, kv_tokens): {"compile_s", ...}}``. ``choices``: an
-        earlier start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
-        self._table_width = table_width(persistent)
-        timings = {}
-        for runner in self.runners:
-            timings.update(runner.warmup(persistent, choices))
+        """``BucketedGraphs.warmup``, keyed by ``(bs, kv_tokens)``."""
+        self._width = warmup_width(persistent, self.config.max_context_len)
+        timings = super().warmup(persistent, choices)
         self._eager_keys = {k for k, c in self.choices().items() if c == "eager"}
         return timings
 
@@ -306,15 +281,15 @@ class DecodeGraphs:
         if self.check_slots:
             self._check_slots(meta, rows, persistent)
         key = self.key_for(meta)
-        runner = self._runner_of.get(key, self.runners[0])
         inputs = self.inputs_for(meta, rows, key)
         if key in self._eager_keys:
             # the bucket replays the eager step (measured faster at warm-up): nothing is replayed from its buffers,
             # so the step runs on the real rows, without the copy into them or their padding rows
+            runner = self._runner_of[key]
             runner.buffers(key).check(inputs)
             runner.stats.replays += 1  # served by its bucket, as a replay is
             return self._step_fn(inputs, persistent)
-        return runner.run_sliced(key, inputs, persistent)
+        return self._run(key, inputs, persistent, meta.num_real)
 
     def _check_slots(self, meta: DecodeMetadata, rows: Mapping[str, torch.Tensor],
                      persistent: Mapping[str, torch.Tensor]) -> None:
@@ -331,11 +306,3 @@ class DecodeGraphs:
                 validate.check_slot_values(name, rows[name][: meta.num_real], num_slots)
         if not meta.slots_checked:
             validate.check_slots(persistent["req_to_token"], planned.req_rows[:n].cpu(), lo, hi, num_slots)
-
-    @property
-    def stats(self):
-        return [r.stats for r in self.runners]
-
-    def choices(self) -> dict[tuple[int, int], str]:
-        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
-        return {k: c for r in self.runners for k, c in r.choices().items()}

@@ -8,7 +8,7 @@ bucket. Padded tokens belong to no pair (no tile reads them as queries), so they
 rows are sliced off; padded pairs have no query and no key. Every batch of one bucket then has the same shapes: the
 step compiles once (``compile_policy``: ``fullgraph=True``) and replays without a recompile, as a captured CUDA
 graph per bucket on CUDA, and on CPU as the compiled (or, where measured faster, the eager) step on the bucket's
-static buffers (``graphs.GraphRunner``).
+static buffers (``graphs.BucketedGraphs``).
 
 Why the key is the token bucket *and* the pair bucket: a batch's pairs do not follow from its token count (one new
 token over a 4k-token prefix needs 64 pairs of 64 keys; 64 new tokens of a fresh prompt need one).
@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BufferSpec, GraphRunner, StaticBuffers, cdiv, kv_capacities
+from graphs import BucketedGraphs, BufferSpec, GraphRunner, RunnerStats, StaticBuffers, cdiv, kv_capacities
 
 from . import validate
 from .compile_policy import compile_step
-from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, table_width
+from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, warmup_width
 from .extend import PAIR_FIELDS, ExtendTileInputs, default_tile_q, pad_pairs, plan_extend_tiles
 from .metadata import ExtendInputs, ExtendMetadata
 from .plan import normalize_window
@@ -61,14 +61,13 @@ class ExtendGraphConfig:
     max_requests: int = 256
     tile_q: int | None = None
     tile_k: int = 64
+    # the switches: see graphs.BucketedGraphs
     enable_torch_compile: bool = True
     disable_cuda_graph: bool = False
-    # runs per bucket before capture; None: 2 on CUDA (one on the side stream before capture), 1 on CPU
     warmup_iters: int | None = None
     progress: bool = True
-    # CPU: time the compiled and the eager step on each bucket at warm-up and replay the faster (GraphRunner), over
-    # measure_iters interleaved runs each. One by default, where decode takes two: a sample is a whole prefill
-    # (tenths of a second to seconds, not milliseconds), and a bucket's warm-up costs 3 + 2 * measure_iters of them
+    # measure_compile's interleaved runs of each form: one, where decode takes two, as a sample is a whole prefill
+    # (tenths of a second to seconds, not milliseconds) and a bucket's warm-up costs 3 + 2 * measure_iters of them
     measure_compile: bool = True
     measure_iters: int = 1
 
@@ -109,7 +108,7 @@ def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None 
                           num_tokens=int(ext.sum()))
 
 
-class ExtendGraphs:
+class ExtendGraphs(BucketedGraphs):
     """Warm-up and replay of an extend step over ``ExtendKey`` (token bucket, pair bucket) buckets.
 
     ``warmup(persistent, keys=None)`` compiles (and on CUDA captures) every reachable bucket, or only ``keys``
@@ -130,12 +129,9 @@ class ExtendGraphs:
             raise TypeError(f"config must be an ExtendGraphConfig, got {type(config).__name__}")
         if not token_inputs:
             raise ValueError("token_inputs must name at least one per-token input (e.g. the packed q)")
-        self.token_inputs = check_row_specs("token_inputs", token_inputs)
-        for name in self.token_inputs:
-            if name in ExtendTileInputs._fields:
-                raise ValueError(f"token_inputs[{name!r}] clashes with an ExtendTileInputs field of the same name")
-        self.config = config
-        self.device = torch.device(device)
+        self.token_inputs = check_row_specs("token_inputs", token_inputs, ExtendTileInputs._fields,
+                                            "an ExtendTileInputs field")
+        super().__init__(step_fn, config=config, device=device, compile_fn=compile_step)
         self.causal, self.sliding_window = bool(causal), normalize_window(sliding_window)
         self.check_slots = check_slots
         self.tile_q = config.tile_q or default_tile_q(self.device.type == "cpu")
@@ -144,11 +140,15 @@ class ExtendGraphs:
                                               growth=config.token_growth)
         max_pairs = config.max_pairs or config.pair_bound(config.max_tokens, self.tile_q)
         self.pair_capacities = kv_capacities(max_pairs, min_kv_tokens=config.min_pairs, growth=config.pair_growth)
-        self._step = step_fn
-        self._compiled = compile_step(step_fn) if config.enable_torch_compile else None
-        self.runner: GraphRunner | None = None  # built by warmup(), for the buckets it warms
         self._warmed: list[ExtendKey] = []  # smallest first: run() takes the first that holds a batch
-        self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
+        self._width = 0  # set by warmup() (warmup_width): the most keys a warm-up request reads
+
+    _step = property(lambda self: self._step_fn, doc="The uncompiled step.")
+
+    @property
+    def runner(self) -> GraphRunner | None:
+        """The runner of the buckets ``warmup`` warmed (None before it)."""
+        return self.runners[0] if self.runners else None
 
     # ---- buckets ----
 
@@ -192,22 +192,14 @@ class ExtendGraphs:
 
     def warmup(self, persistent: Mapping[str, torch.Tensor], choices: Mapping[ExtendKey, str] | None = None,
                keys: Sequence[ExtendKey] | None = None) -> dict:
-        """Compile (CUDA: capture) every reachable bucket, or only ``keys``; returns per key ``{"compile_s", ...}``
-        (``GraphRunner.warmup``). ``choices``: an earlier start's ``choices()`` (skips the compiled-vs-eager
-        measurement of those buckets)."""
-        width = table_width(persistent)
+        """``BucketedGraphs.warmup`` of every reachable bucket, or only ``keys`` (``key_for_lengths`` of the batches a
+        caller will run)."""
+        self._width = warmup_width(persistent, self.config.max_context_len)
         keys = self.keys() if keys is None else self._check_keys(keys)
-        self._table_width = width
-        use_graph = self.device.type == "cuda" and not self.config.disable_cuda_graph
-        fn = self._compiled or self._step
-        self.runner = GraphRunner(
-            fn, make_buffers=self._make_buffers, keys=keys, device=self.device, use_cuda_graph=use_graph,
-            fallback_fn=fn, warmup_iters=self.config.warmup_iters or (2 if use_graph else 1),
-            progress=self.config.progress, measure_iters=self.config.measure_iters,
-            eager_fn=self._step if self._compiled is not None and self.config.measure_compile else None)
+        self._build_runners(keys, measure_iters=self.config.measure_iters)
         self._warmed = []
-        timings = self.runner.warmup(persistent, choices)
-        self._warmed = sorted(ExtendKey(*k) for k in self.runner.warmed_keys)
+        timings = super().warmup(persistent, choices)
+        self._warmed = sorted(self.runner.warmed_keys)
         return timings
 
     def _check_keys(self, keys: Sequence[ExtendKey]) -> list[ExtendKey]:
@@ -222,7 +214,7 @@ class ExtendGraphs:
             raise ValueError("keys must name at least one bucket (None: every reachable one)")
         return sorted(set(out))
 
-    def _make_buffers(self, key: ExtendKey) -> StaticBuffers:
+    def _buffer_specs(self, key: ExtendKey) -> dict[str, BufferSpec]:
         tokens, pairs = key
         specs = {name: BufferSpec((pairs,), torch.bool if name == "full" else torch.int64, batch_dim=None)
                  for name in PAIR_FIELDS}
@@ -230,17 +222,14 @@ class ExtendGraphs:
         specs["k_ids"] = BufferSpec((self.tile_k,), torch.int64, batch_dim=None)
         for name, spec in self.token_inputs.items():
             specs[name] = BufferSpec((tokens, *spec.shape), spec.dtype, fill=spec.fill)
-        buffers = StaticBuffers(specs, self.device)
-        self._fill_warmup_batch(buffers, ExtendKey(*key))
-        return buffers
+        return specs
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: ExtendKey) -> None:
         """Warm a bucket on a batch that does close to its full work: requests of one length, every one reading
         request row 0 from position 0 (the per-token inputs keep their padding values; outputs are discarded). On
         an all-padding batch the CPU flash op skips every pair: the compiled-vs-eager measurement would time
         nothing, and the first real batch would pay the kernel's first-call costs."""
-        width = min(self._table_width, self.config.max_context_len or self._table_width)
-        length = max(1, min(width, key.tokens, self.tile_q))
+        length = max(1, min(self._width, key.tokens, self.tile_q))
         per_request = self.pairs_for_lengths([length])
         while per_request > key.pairs and length > 1:
             length //= 2
@@ -265,21 +254,14 @@ class ExtendGraphs:
         if meta.causal != self.causal or meta.sliding_window != self.sliding_window:
             raise ValueError(f"meta was planned with causal={meta.causal}, sliding_window={meta.sliding_window}; "
                              f"these graphs run causal={self.causal}, sliding_window={self.sliding_window}")
-        self._check_tokens(meta.num_tokens, tokens, persistent)
+        check_row_values("tokens", tokens, self.token_inputs, meta.num_tokens, "num_tokens of the planned batch first",
+                         self.device, cache_slots(persistent) if self.check_slots else None)
         tiles = plan_extend_tiles(meta, tile_q=self.tile_q, tile_k=self.tile_k)
         key = self.key_for(meta.num_tokens, tiles.pairs_needed)
         pairs = tiles.inputs if key is None else pad_pairs(tiles.inputs, key.pairs, meta.num_tokens)
-        return self.runner.run_sliced(key, {**pairs._asdict(), **tokens}, persistent)
-
-    def _check_tokens(self, num_tokens: int, tokens: Mapping[str, torch.Tensor],
-                      persistent: Mapping[str, torch.Tensor]) -> None:
-        check_row_values("tokens", tokens, self.token_inputs, num_tokens, "num_tokens of the planned batch first",
-                         self.device, cache_slots(persistent) if self.check_slots else None)
+        return self._run(key, {**pairs._asdict(), **tokens}, persistent, meta.num_tokens)
 
     @property
-    def stats(self):
+    def stats(self) -> RunnerStats | None:
+        """The runner's counters (None before ``warmup``)."""
         return self.runner.stats if self.runner is not None else None
-
-    def choices(self) -> dict[ExtendKey, str]:
-        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
-        return {ExtendKey(*k): c for k, c in self.runner.choices().items()} if self.runner is not None else {}

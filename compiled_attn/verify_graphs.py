@@ -10,8 +10,8 @@ The graph key is ``VerifyKey(batch bucket, draft length k, KV-token bucket)``: e
 those three (``draft_mask`` is ``[bs, k, k]``, the per-token inputs ``[bs, k, ...]``, the prefix blocks
 ``kv_tokens / block_size``). The step is compiled once (``compile_policy``: ``fullgraph=True``, dynamic sizes; one
 graph served every key in the tests) and each key is then captured (CUDA) or replayed on its static buffers (CPU)
-like a decode bucket, through the same ``graphs.GraphRunner`` (with its measured compiled-vs-eager choice on CPU)
-and the same ``GraphConfig`` switches. The draft lengths are configured (``draft_lens``, e.g. SGLang's
+like a decode bucket, through the same ``graphs.BucketedGraphs`` frame (with its measured compiled-vs-eager choice
+on CPU) and the same ``GraphConfig`` switches. The draft lengths are configured (``draft_lens``, e.g. SGLang's
 ``--speculative-num-draft-tokens``): a batch of another ``k`` is refused rather than compiled on the fly, so
 nothing compiles after warm-up.
 
@@ -27,19 +27,18 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BufferSpec, StaticBuffers
-from graphs.runner_helpers import slice_rows
+from graphs import BucketedGraphs, BufferSpec, StaticBuffers
 
+from .compile_policy import compile_step
 from .decode_graphs import (
     GraphConfig,
     RowInput,
-    bucket_runners,
     cache_slots,
     check_config,
     check_row_specs,
     check_row_values,
-    kv_bucket_reachable,
-    table_width,
+    reachable_keys,
+    warmup_width,
 )
 from .verify import VerifyInputs, VerifyMetadata, plan_verify
 
@@ -70,7 +69,7 @@ def _check_draft_lens(draft_lens) -> tuple[int, ...]:
     return tuple(sorted(set(draft_lens)))
 
 
-class VerifyGraphs:
+class VerifyGraphs(BucketedGraphs):
     """Warm-up and replay of a verify step over ``VerifyKey`` (batch bucket, draft length, KV-token bucket) keys.
 
     ``run`` takes the real batch's ``VerifyMetadata`` (planned without padding, ``block_size=config.block_size``)
@@ -88,23 +87,18 @@ class VerifyGraphs:
     def __init__(self, step_fn: Callable, *, config: GraphConfig, draft_lens: Sequence[int],
                  device: torch.device | str, token_inputs: Mapping[str, RowInput], check_slots: bool = True):
         self.policy = check_config(config)
-        self.token_inputs = check_row_specs("token_inputs", token_inputs)
-        for name in self.token_inputs:
-            if name in VerifyInputs._fields:
-                raise ValueError(f"token_inputs[{name!r}] clashes with the VerifyInputs field of the same name")
+        self.token_inputs = check_row_specs("token_inputs", token_inputs, VerifyInputs._fields,
+                                            "the VerifyInputs field")
         self.draft_lens = _check_draft_lens(draft_lens)
-        self.config = config
-        self.device = torch.device(device)
         self.check_slots = check_slots
-        keys = [VerifyKey(bs, k, kv) for bs, kv in self.policy.keys() for k in self.draft_lens
-                if kv_bucket_reachable(config, self.policy, bs, kv)]
-        self.runners = bucket_runners(step_fn, step_fn, keys, config, self.device, self._make_buffers)
-        self._runner_of = {key: r for r in self.runners for key in r.keys}
-        self._table_width = 0  # set by warmup() from persistent["req_to_token"]; bounds the warm-up batch
+        super().__init__(step_fn, config=config, device=device, compile_fn=compile_step)
+        self._width = 0  # set by warmup() (warmup_width): the most keys a warm-up request reads
+        keys = [VerifyKey(bs, k, kv) for bs, kv in reachable_keys(config, self.policy) for k in self.draft_lens]
+        self._build_runners(keys, config.torch_compile_max_bs)
 
     # ---- buffers and warm-up ----
 
-    def _make_buffers(self, key: VerifyKey) -> StaticBuffers:
+    def _buffer_specs(self, key: VerifyKey) -> dict[str, BufferSpec]:
         bs, k, kv_tokens = key
         block = self.config.block_size
         specs = {"req_rows": BufferSpec((bs,), torch.int64, fill=0),
@@ -115,35 +109,28 @@ class VerifyGraphs:
                  "block_offsets": BufferSpec((block,), torch.int64, batch_dim=None)}
         for name, spec in self.token_inputs.items():
             specs[name] = BufferSpec((bs, k, *spec.shape), spec.dtype, fill=spec.fill)
-        buffers = StaticBuffers(specs, self.device)
-        buffers.tensors["block_ids"].copy_(torch.arange(kv_tokens // block))
-        buffers.tensors["block_offsets"].copy_(torch.arange(block))
-        if self.device.type == "cpu":
-            self._fill_warmup_batch(buffers, key)
-        return buffers
+        return specs
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: VerifyKey) -> None:
-        """CPU: warm a bucket on a batch that fills its blocks, every row reading request row 0 from position 0
-        (outputs discarded). On empty prefixes the CPU flash op reads nothing: the compiled-vs-eager measurement
-        would time nothing, and the first real batch would pay the kernel's first-call costs. Each real run then
-        overwrites every row, padding rows included."""
+        """The bucket's block aranges; on CPU also a batch that fills its blocks, every row reading request row 0
+        from position 0 (outputs discarded). On empty prefixes the CPU flash op reads nothing: the compiled-vs-eager
+        measurement would time nothing, and the first real batch would pay the kernel's first-call costs."""
         bs, k, kv_tokens = key
         block = self.config.block_size
-        width = min(self._table_width, self.config.max_context_len or self._table_width)
         nblk = kv_tokens // block
+        buffers.tensors["block_ids"].copy_(torch.arange(nblk))
+        buffers.tensors["block_offsets"].copy_(torch.arange(block))
+        if self.device.type != "cpu":
+            return
         blocks = torch.full((bs,), nblk // bs, dtype=torch.int64)
         blocks[: nblk % bs] += 1  # the bucket's blocks shared out, a row at most one more than another
-        buffers.tensors["prefix_lens"].copy_((blocks * block).clamp(0, max(width - k, 0)))
+        buffers.tensors["prefix_lens"].copy_((blocks * block).clamp(0, max(self._width - k, 0)))
 
     def warmup(self, persistent: Mapping[str, torch.Tensor],
                choices: Mapping[VerifyKey, str] | None = None) -> dict:
-        """Compile and capture every bucket; returns ``{VerifyKey: {"compile_s", ...}}``. ``choices``: an earlier
-        start's ``choices()`` (a restart skips the compiled-vs-eager measurement of those buckets)."""
-        self._table_width = table_width(persistent)
-        timings = {}
-        for runner in self.runners:
-            timings.update(runner.warmup(persistent, choices))
-        return {VerifyKey(*key): t for key, t in timings.items()}
+        """``BucketedGraphs.warmup``, keyed by ``VerifyKey``."""
+        self._width = warmup_width(persistent, self.config.max_context_len)
+        return super().warmup(persistent, choices)
 
     # ---- run ----
 
@@ -177,9 +164,7 @@ class VerifyGraphs:
         until the next run)."""
         self._check(meta, tokens, persistent)
         key = self.key_for(meta)
-        runner = self._runner_of.get(key, self.runners[0])
-        out = runner.run(key if key in self._runner_of else None, self.inputs_for(meta, tokens, key), persistent)
-        return slice_rows(out, meta.num_real * meta.draft_len)
+        return self._run(key, self.inputs_for(meta, tokens, key), persistent, meta.num_real * meta.draft_len)
 
     def _check(self, meta: VerifyMetadata, tokens: Mapping[str, torch.Tensor],
                persistent: Mapping[str, torch.Tensor]) -> None:
@@ -202,11 +187,3 @@ class VerifyGraphs:
         n = meta.num_real * k
         check_row_values("tokens", tokens, self.token_inputs, n, f"num_real * draft_len = {meta.num_real} * {k} "
                          "tokens first", self.device, cache_slots(persistent) if self.check_slots else None)
-
-    @property
-    def stats(self):
-        return [r.stats for r in self.runners]
-
-    def choices(self) -> dict[VerifyKey, str]:
-        """Per warmed bucket: "compiled", "eager" (measured faster at warm-up) or "captured" (CUDA graph)."""
-        return {VerifyKey(*key): c for r in self.runners for key, c in r.choices().items()}

@@ -7,10 +7,12 @@ static-shape tensors, one graph per bucket, all before the first real step.
 * ``BufferSpec`` / ``StaticBuffers``: one bucket's inputs, allocated once, refilled in place.
 * ``GraphRunner``: ``warmup(persistent)`` then ``run(key, real_inputs, persistent)``; CUDA-graph replay on
   CUDA, compiled replay on static buffers on CPU, an eager/compiled fallback beyond the largest bucket.
+* ``BucketedGraphs``: a step's runners over its buckets (warm-up, routing, stats, choices), for a subclass to key.
 
 Imports only torch, tqdm and ``profiling``.
 """
 
+from graphs.bucketed import BucketedGraphs
 from graphs.buckets import DEFAULT_BATCH_SIZES, BucketPolicy, cdiv, kv_capacities
 from graphs.runner import GraphRunner, Outputs, RunnerStats, StepFn
 from graphs.static_buffers import BufferSpec, StaticBuffers
@@ -18,6 +20,7 @@ from graphs.static_buffers import BufferSpec, StaticBuffers
 __all__ = [
     "DEFAULT_BATCH_SIZES",
     "BucketPolicy",
+    "BucketedGraphs",
     "BufferSpec",
     "GraphRunner",
     "Outputs",

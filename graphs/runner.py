@@ -63,7 +63,6 @@ def faster_form(compiled_s: float, eager_s: float, margin: float = EAGER_MARGIN)
     return "eager" if eager_s < compiled_s * (1 - margin) else "compiled"
 
 
-
 @dataclass
 class RunnerStats:
     """Counters since construction.
