@@ -1,48 +1,53 @@
-"""The CPU decode kernel in C++ (``csrc/block_partials.cpp``): each block's partial softmax, reading K/V in place
-from the paged cache, built with this machine's compiler on first use and called through ``ctypes``.
+"""The CPU decode kernel in C++ (``csrc/block_partials.cpp``): each block's partial softmax, reading K/V in place from
+the paged cache, built with this machine's compiler on first use (``native_build``) and called as a torch op.
 
-Why a hand-written kernel: the decode's work is a few small dot products per cached key row, and what bounds it
-is how the rows are read. Inductor's loops for the same computation (``decode_fused.fused_block_partials``) read
-each row once per query row, reduce every dot product to a scalar on its own and issue no prefetches, so they are
-compute-bound at several times the time of one pass over the cache bytes, and a bf16 cache saves almost
-nothing over float32. This kernel scores all query rows of a head against each key row while the row is in
-registers, converts bf16/fp16/float8 there, prefetches the rows a few positions ahead and runs the softmax and
-the V sum vectorised. It computes exactly what ``fused_block_partials`` computes (its outputs feed the same
-``merge_blocks``), which stays as the fallback and as the reference form in tests. On a CPU with AMX, a bf16 query
-with 8 or more query rows per KV head (GQA's groups times verify's draft tokens) runs as bf16 tile products
-(``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with the rows; without tiles, 16 rows or a
-multiple take outer products in float32 (``csrc/wide_blocks.h``, ``wide_serves``).
+Why a hand-written kernel: the decode's work is a few small dot products per cached key row, and what bounds it is
+how the rows are read. Inductor's loops for the same computation read each row once per query row, reduce every dot
+product to a scalar on its own and issue no prefetches, so they are compute-bound at several times the time of one
+pass over the cache bytes, and a bf16 cache saves almost nothing over float32. This kernel scores all query rows of
+a head against each key row while the row is in registers, converts bf16/fp16/float8 there, prefetches the rows a
+few positions ahead and runs the softmax and the V sum vectorised. Its partials are each block's max score, sum of
+exponentials and weighted V sum per query row, merged by ``decode.merge_blocks``' rule; the portable matmul form is
+the fallback. On a CPU with AMX, a bf16 query with 8 or more query rows per KV head (GQA's groups times verify's
+draft tokens) runs as bf16 tile products (``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with
+the rows; without tiles, 16 rows or a multiple take outer products in float32 (``csrc/wide_blocks.h``,
+``wide_serves``).
 
-Which path runs is the caller's choice (``kernel_path``, called by ``forms.choose_form``); the kernel refuses a
-path this build or the call's shapes cannot run, so the choice and the kernel never disagree silently.
+Which path runs is the caller's choice (``kernel_path``, called by ``forms.choose_form``); the kernel refuses a path
+this build or the call's shapes cannot run, so the choice and the kernel never disagree silently.
 
-Build: ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` into a cache folder (``COMPILED_ATTN_CACHE_DIR``,
-default ``~/.cache/compiled_attn``), keyed by the source, the compiler, the flags and the CPU's feature flags, so
-a second process loads it at once. ``COMPILED_ATTN_ISA=avx2|avx512|avx512_bf16|amx`` builds for that level
-instead of the whole CPU (``ISA_LEVELS``; refused above what the CPU has): how a machine runs and tests the paths
-an older CPU takes. The OpenMP runtime is the one PyTorch already loaded (same soname), and each call runs on
-``torch.get_num_threads()`` threads. ``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where the build
-fails (no compiler) gets one warning and the traced form.
+The boundary: each call is one torch op of the build (``csrc/torch_op.cpp``), which checks every tensor's dtype,
+device and shape against the others (q's rows against num_rows x tokens, the caches' heads and head sizes against
+q's, the block table's three tensors against each other, sinks, the draft keys' tensors); the kernel checks every
+index its tables hold as it reads them (a block's row against q's rows, or the batch's with unused blocks past it;
+the slot of each valid position and of each draft key a token sees against the caches' rows). A violation is a
+ValueError naming the argument and its limit, never a read outside a tensor nor a silent wrong answer.
+
+Build (``native_build``): ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` linked with the ops' object and
+torch's libraries into a cache folder (``COMPILED_ATTN_CACHE_DIR``, default ``~/.cache/compiled_attn``), keyed by
+the sources, the compiler, the flags and the CPU's feature flags, so a second process loads it at once.
+``COMPILED_ATTN_ISA=avx2|avx512|avx512_bf16|amx`` builds for that level instead of the whole CPU (``ISA_LEVELS``;
+refused above what the CPU has): how a machine runs and tests the paths an older CPU takes. The OpenMP runtime is
+the one PyTorch already loaded (same soname), and each call runs on ``torch.get_num_threads()`` threads.
+``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where the build fails (no compiler, or no torch headers)
+gets one warning and the portable matmul form.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 
+# the build's names re-exported: callers and tests find them here
+from .native_build import CACHE_ENV as CACHE_ENV
+from .native_build import SOURCE as SOURCE
+from .native_build import KernelLibrary, _cpu_flags, build, load
+from .native_build import cache_dir as cache_dir
 from .opaque import opaque_op
 
-SOURCE = Path(__file__).parent / "csrc" / "block_partials.cpp"
 ENABLE_ENV = "COMPILED_ATTN_NATIVE"
-CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
 ISA_ENV = "COMPILED_ATTN_ISA"
 #: the instruction-set levels a build can be capped at, lowest first: the ``-march`` each is built with and the
 #: ``/proc/cpuinfo`` flags a CPU needs for it beyond the level before (each level includes those below it)
@@ -58,29 +63,9 @@ ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX, ISA_TILES_USABLE = 1, 2, 4, 8, 1
 PATHS = ("vector", "vector_bf16", "wide", "tile")
 #: the cache dtypes the kernel reads, by the kind number it takes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, ctypes.c_int, ctypes.c_int, _I64]
 _KIND_NAMES = ", ".join(str(dtype).removeprefix("torch.") for dtype in KINDS)
 #: the query dtypes the merged op reads as they are, by the kind number it takes (its output: float32 or bfloat16)
 QUERY_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$COMPILED_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/compiled_attn``, else
-    ``~/.cache/compiled_attn``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "compiled_attn"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 def cpu_isa_levels(flags: str | None = None) -> list[str]:
@@ -112,51 +97,8 @@ def requested_isa(value: str | None = None) -> str | None:
     return value
 
 
-def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None = None,
-          march: str = "native") -> Path:
-    """Compile ``source`` into a shared library in ``out_dir`` (default ``cache_dir()``) unless an identical
-    build is there; returns its path. Raises ``RuntimeError`` (with the compiler's message) when it cannot."""
-    cxx = cxx or os.environ.get("CXX") or "g++"
-    exe = shutil.which(cxx)
-    if exe is None:
-        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
-    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    # the headers beside the source are part of it (it includes them by name)
-    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]
-    key = hashlib.sha256("\0".join([*texts, exe, version, *flags, _cpu_flags()]).encode()).hexdigest()
-    out_dir = Path(out_dir) if out_dir is not None else cache_dir()
-    out = out_dir / f"{source.stem}-{march}-{key[:16]}.so"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # built under a name of its own, then renamed into place: a process starting beside this one never loads a
-    # half-written file, and two building at once both end with a whole one
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        done = subprocess.run([exe, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {source.name}:\n{done.stderr[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def load(path: Path) -> ctypes.CDLL:
-    """The built library with its entry point's signature set (after ``import torch``: its OpenMP is reused)."""
-    lib = ctypes.CDLL(str(path))
-    lib.ca_block_partials.restype = ctypes.c_int
-    lib.ca_block_partials.argtypes = _ARGTYPES
-    lib.ca_isa.restype = ctypes.c_int
-    lib.ca_isa.argtypes = []
-    return lib
-
-
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def library() -> KernelLibrary | None:
     """This process's kernel library, built on the first call for ``COMPILED_ATTN_ISA``'s level (default the whole
     CPU); None when turned off (``COMPILED_ATTN_NATIVE=0``) or when the build failed (one warning says why). A bad
     ``COMPILED_ATTN_ISA`` is a ValueError (``requested_isa``)."""
@@ -167,14 +109,14 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def library_for(isa: str | None) -> ctypes.CDLL | None:
+def library_for(isa: str | None) -> KernelLibrary | None:
     """The kernel built for ``isa`` (an ``ISA_LEVELS`` name, or None: the whole CPU), or None (with a warning)
     where the build fails. The tests run each level the machine supports through it."""
     try:
         return load(build(march=ISA_LEVELS[isa][0] if isa else "native"))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"compiled_attn: the C++ decode kernel is not available, the CPU decode uses the traced form "
-                      f"({e})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"compiled_attn: the C++ decode kernel is not available, the CPU decode uses the portable "
+                      f"matmul form ({e})", RuntimeWarning, stacklevel=2)
         return None
 
 
@@ -222,7 +164,7 @@ def kernel_isa_bits() -> int:
 
 
 @functools.cache
-def _isa_bits(lib: ctypes.CDLL) -> int:
+def _isa_bits(lib: KernelLibrary) -> int:
     return lib.ca_isa()  # asked once per build: a ctypes call is microseconds, on every call's choice
 
 
@@ -285,70 +227,28 @@ def _path_number(path: str, k_cache: torch.Tensor, q_bf16_scale: float, g: int, 
     return PATHS.index(path)
 
 
-def _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
-         num_rows=0, sinks=None, out=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None, tokens=1,
-         path="") -> None:
-    """One call of the kernel (``ca_block_partials``) on checked, contiguous tensors: q [rows, Hkv, G, D] float32
-    (tokens 1, the partials form) or, with out, token-major [num_rows * tokens, Hq, D] as ``native_decode_blocks``';
-    path: one of ``PATHS`` ("": ``kernel_path``'s)."""
-    n, hkv, d, dv = block_req.shape[0], k_cache.shape[1], q.shape[-1], v_cache.shape[2]
-    g = q.shape[2] if q.dim() == 4 else tokens * q.shape[1] // hkv
-    path_number = _path_number(path, k_cache, q_bf16_scale, g, d, dv)
-    if n == 0 and draft_slots is None:
-        return
-    nd, mask_tokens = (0, 0) if draft_slots is None else (draft_slots.shape[1], draft_mask.shape[1])
-    rc = library().ca_block_partials(
-        KINDS[k_cache.dtype], q.data_ptr(), block_req.data_ptr(), runs.data_ptr(), valid.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), n, hkv, g, d, dv, valid.shape[1], unit, k_scale, v_scale, logit_cap,
-        m.data_ptr(), lsum.data_ptr(), o.data_ptr(), torch.get_num_threads(), num_rows,
-        None if sinks is None else sinks.data_ptr(), None if out is None else out.data_ptr(),
-        min(k_cache.shape[0], v_cache.shape[0]), q_bf16_scale, None if draft_slots is None else draft_slots.data_ptr(),
-        None if draft_mask is None else draft_mask.data_ptr(), nd, mask_tokens, QUERY_KINDS[q.dtype], tokens,
-        int(out is not None and out.dtype == torch.bfloat16), path_number, q.shape[0])
-    if rc == 3:  # checked in the kernel: a bad table must never become a read outside the cache
-        raise ValueError(f"native decode kernel: a valid position's KV slot lies outside the cache (num_slots "
-                         f"{min(k_cache.shape[0], v_cache.shape[0])}): check req_to_token and the planned block table")
-    if rc == 5:
-        raise ValueError(f"native decode kernel: block_req holds a row outside [0, {q.shape[0]}) (q's rows"
-                         f"{'' if out is None else ', or past them for an unused block'}): check the block table")
-    if rc == 4:
-        raise ValueError(f"native decode kernel: path {PATHS[path_number]!r} does not serve this call (cache "
-                         f"{k_cache.dtype}, {g} query rows per KV head, head sizes {d}/{dv}, q_bf16_scale "
-                         f"{q_bf16_scale}) in this build (ISA bits {library().ca_isa()}): see kernel_path")
-    if rc != 0:
-        raise ValueError(f"native decode kernel: head sizes {d}/{dv} must be multiples of 16, the cache a dtype "
-                         f"of {list(KINDS)} and the query one of {list(QUERY_KINDS)}")
+def _ops(lib: KernelLibrary | None):
+    """The torch ops of ``library()``'s build (``native_build.KernelLibrary.ops``), or RuntimeError where there is
+    none."""
+    if lib is None:
+        raise RuntimeError("the C++ decode kernel is not built here (COMPILED_ATTN_NATIVE=0, or the build failed): "
+                           "see native_refusal")
+    return lib.ops
 
 
-def _check_blocks(block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor, unit: int) -> None:
-    """The block table's tensors as the kernel reads them (``DecodeIndex``'s), or ValueError naming the one that
-    does not fit: block_req [n] int64, runs [n, B // unit] int64, valid [n, B] bool, B a multiple of unit."""
-    n = block_req.shape[0] if block_req.dim() == 1 else -1
-    if block_req.dtype != torch.int64 or n < 0:
-        raise ValueError(f"block_req must be int64 [n], got {block_req.dtype} {tuple(block_req.shape)}")
-    if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != n:
-        raise ValueError(f"valid must be bool [n={n}, B], got {valid.dtype} {tuple(valid.shape)}")
-    b = valid.shape[1]
-    if not isinstance(unit, int) or unit < 1 or b % unit:
-        raise ValueError(f"unit must be an int >= 1 dividing the block size {b}, got {unit!r}")
-    if runs.dtype != torch.int64 or tuple(runs.shape) != (n, b // unit):
-        raise ValueError(f"runs must be int64 [n={n}, B // unit={b // unit}], got {runs.dtype} {tuple(runs.shape)}")
+def _rows_per_kv_head(q: torch.Tensor, k_cache: torch.Tensor, tokens: int = 1) -> int:
+    """G of a token-major q [rows * tokens, Hq, D] (0 where the shapes do not fit: the op then names them)."""
+    ok = q.dim() == 3 and k_cache.dim() == 3 and k_cache.shape[1] > 0
+    return tokens * (q.shape[1] // k_cache.shape[1]) if ok else 0
 
 
-def _partials_like(like: torch.Tensor, n: int, hkv: int, g: int, dv: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised float32 m, lsum [n, Hkv, G] and o [n, Hkv, G, Dv] on ``like``'s device."""
-    m, lsum = (like.new_empty((n, hkv, g), dtype=torch.float32) for _ in range(2))
-    return m, lsum, like.new_empty((n, hkv, g, dv), dtype=torch.float32)
-
-
+# a torch op rather than one ctypes struct: 14 us a call outside the kernel at bs 1 or 32, ctypes + Python checks 35
 @opaque_op
 def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                           unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
                           logit_cap: float, q_bf16_scale: float = 0.0, path: str = ""
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each block's partial softmax (``decode_fused.fused_block_partials``' outputs), by the C++ kernel.
+    """Each block's partial softmax (``decode.merge_blocks``' inputs), by the C++ kernel.
 
     qs: [rows, Hkv, G, D] float32 (a score is qs . K times k_scale: scaled queries, or unscaled ones with the
     softmax scale in k_scale); block_req: [n] int64, the row of each block (every entry < rows);
@@ -358,47 +258,28 @@ def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch
     products in float32 on the vector path); path: one of ``PATHS``, "" for ``kernel_path``'s (a path that does not
     serve the call is a ValueError).
     returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
-    Invalid positions are never read; a valid position whose slot lies outside the cache is a ValueError (checked
-    in the kernel, which reads nothing there).
+    Invalid positions are never read; a valid position whose slot lies outside the cache, a block row outside q's
+    rows or tensors that do not fit each other are a ValueError naming the argument (the kernel reads nothing
+    there).
     """
-    _check_blocks(block_req, runs, valid, unit)
-    qs, block_req, runs, valid = qs.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    m, lsum, o = _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
-    _run(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, m, lsum, o,
-         q_bf16_scale=q_bf16_scale, path=path)
-    return m, lsum, o
+    ops = _ops(library())
+    g = qs.shape[2] if qs.dim() == 4 else 0
+    number = _path_number(path, k_cache, q_bf16_scale, g, qs.shape[-1], v_cache.shape[-1])
+    return ops.block_partials(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                              q_bf16_scale, number)
+
+
+def _partials_like(like: torch.Tensor, n: int, hkv: int, g: int, dv: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised float32 m, lsum [n, Hkv, G] and o [n, Hkv, G, Dv] on ``like``'s device."""
+    m, lsum = (like.new_empty((n, hkv, g), dtype=torch.float32) for _ in range(2))
+    return m, lsum, like.new_empty((n, hkv, g, dv), dtype=torch.float32)
 
 
 @torch.library.register_fake(native_block_partials)
 def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
                                 q_bf16_scale=0.0, path=""):
     return _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
-
-
-def _check_draft(g, num_rows, draft_slots, draft_mask):
-    """The draft keys' tensors as the kernel reads them (contiguous; the mask as bytes), or ValueError (g: query
-    rows per KV head)."""
-    if draft_slots is None and draft_mask is None:
-        return None, None
-    if draft_slots is None or draft_mask is None:
-        raise ValueError("draft_slots and draft_mask go together")
-    if draft_slots.dtype != torch.int64 or draft_slots.dim() != 2 or draft_slots.shape[0] < num_rows:
-        raise ValueError(f"draft_slots must be int64 [>= num_rows={num_rows}, nd], got {draft_slots.dtype} "
-                         f"{tuple(draft_slots.shape)}")
-    nd = draft_slots.shape[1]
-    if (draft_mask.dim() != 3 or draft_mask.shape[0] < num_rows or draft_mask.shape[2] != nd or draft_mask.shape[1] < 1
-            or g % draft_mask.shape[1]):
-        raise ValueError(f"draft_mask must be [>= num_rows={num_rows}, tokens dividing G={g}, nd={nd}], got "
-                         f"{tuple(draft_mask.shape)}")
-    return draft_slots.contiguous(), draft_mask.to(torch.bool).contiguous()
-
-
-def _check_queries(q, num_rows, tokens, hkv):
-    """q's query rows per KV head (G = tokens x group), or ValueError."""
-    if q.dtype not in QUERY_KINDS or q.dim() != 3 or q.shape[0] != num_rows * tokens or q.shape[1] % hkv:
-        raise ValueError(f"q must be [num_rows * tokens = {num_rows * tokens}, Hq (a multiple of Hkv={hkv}), D] in "
-                         f"one of {list(QUERY_KINDS)}, got {q.dtype} {tuple(q.shape)}")
-    return tokens * (q.shape[1] // hkv)
 
 
 @opaque_op
@@ -419,28 +300,19 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
     bool, which of them each of its query tokens sees (query row i of a KV head is token i // group); path: as
     ``native_block_partials``'.
     -> [num_rows * tokens, Hq, Dv] in q.dtype, token-major as q (zeros for a row with no key).
+    Checked as ``native_block_partials``' (a negative block row too, and a draft key a token sees whose slot lies
+    outside the cache): a ValueError naming the argument.
 
     Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
     outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
     merged straight from the kernel's scratch, and a step makes one op call instead of four. The same for verify's
     draft block (as ATen ops: gathers of the draft keys, two batched matmuls and the join), and for the queries'
     and the output's layouts (a grouping copy before the kernel and a transposing cast after it)."""
-    hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    g = _check_queries(q, num_rows, tokens, hkv)
-    _check_blocks(block_req, runs, valid, unit)
-    if sinks is not None and sinks.numel() != hkv * g:
-        raise ValueError(f"sinks must hold Hkv x G = {hkv * g} logits, got {tuple(sinks.shape)}")
-    sinks = None if sinks is None else sinks.float().contiguous()
-    draft_slots, draft_mask = _check_draft(g, num_rows, draft_slots, draft_mask)
-    q, block_req, runs, valid = q.contiguous(), block_req.contiguous(), runs.contiguous(), valid.contiguous()
-    # the kernel writes float32 or bfloat16 (rounded as torch rounds); a float16 result is cast from float32
-    out = q.new_empty((*q.shape[:2], dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
-    if block_req.shape[0] == 0 and draft_slots is None:  # the kernel is not called: nothing to merge
-        return out.zero_().to(q.dtype)
-    none = q.new_empty(0, dtype=torch.float32)  # the merged form keeps its partials in scratch of its own
-    _run(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap, none, none, none, num_rows,
-         sinks, out, q_bf16_scale, draft_slots, draft_mask, tokens, path)
-    return out.to(q.dtype)
+    ops = _ops(library())
+    g = _rows_per_kv_head(q, k_cache, tokens)
+    number = _path_number(path, k_cache, q_bf16_scale, g, q.shape[-1], v_cache.shape[-1])
+    return ops.decode_blocks(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+                             num_rows, sinks, q_bf16_scale, draft_slots, draft_mask, tokens, number)
 
 
 @torch.library.register_fake(native_decode_blocks)

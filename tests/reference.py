@@ -75,3 +75,10 @@ def in_place_op():
 
     name = "native_decode_blocks" if native_available() else "index_columns"
     return getattr(torch.ops.compiled_attn, name).default
+
+
+def scaled_queries(q, num_kv_heads, scale):
+    """q [bs, Hq, D] (any float dtype) -> [bs, Hkv, Hq // Hkv, D] float32, scaled, grouped by KV head: the queries
+    ``native_decode.native_block_partials`` takes."""
+    bs, hq, d = q.shape
+    return q.reshape(bs, num_kv_heads, hq // num_kv_heads, d).float().mul(scale)

@@ -1,6 +1,7 @@
 // Decode attention's per-block partial softmax over a paged KV cache, read in place: the CPU kernel behind
-// compiled_attn/native_decode.py, which builds this file with the machine's compiler on first use and calls it
-// through ctypes (that module says why a hand-written kernel).
+// compiled_attn/native_decode.py, which builds this file with the machine's compiler on first use, linked with the
+// torch op that checks a call's tensors and calls ca_run (torch_op.cpp; native_decode says why a hand-written
+// kernel).
 //
 // One block is B key positions of one request. On the vector path (vector_blocks.h) all its query rows (Hkv heads x
 // G rows) are scored against each key row as the row is read (a slot's heads lie together in the cache, so a page
@@ -8,12 +9,13 @@
 // to float32 in registers (bf16, fp16, float8 e4m3fn / e5m2), so the cache is read once at its stored width. With
 // a bf16 query and enough query rows the tile path (tile_blocks.h) computes the same block with AMX products.
 // Invalid positions (past a request's end, a page's unwritten tail) are never read. The outputs are those of
-// decode_fused.fused_block_partials: per block and query row the max score m, the sum of exp(score - m) and the
+// decode.matmul_partials: per block and query row the max score m, the sum of exp(score - m) and the
 // unnormalised weighted V sum; a block with no valid key gives the lowest float32, 0 and zeros. The merged form
 // folds runs of a row's blocks together as it computes them and then merges each row's partials into its output.
 //
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
+#include "kernel_call.h"
 #include "kernel_math.h"
 #include "row_merge.h"
 #include "tile_blocks.h"
@@ -55,11 +57,12 @@ static bool path_fits(const Problem& pr) {
 
 constexpr int64_t kUnitsPerThread = 2;  // work units a thread at least, where heads can be split (run_blocks)
 
-// Runs every block (the merged form: the used ones, then merges them). Returns 0; 3 when a valid position's slot
-// lay outside the cache (that position left out, nothing read there); 4 when pr.path does not fit (nothing run).
+// Runs every block (the merged form: the used ones, then merges them). Returns kOk; kSlotOutside (kDraftSlotOutside)
+// when a valid position's (a seen draft key's) slot lay outside the cache (left out, nothing read there);
+// kPathRefused when pr.path does not fit (nothing run).
 template <class L, int DV>
 static int run_blocks(const Problem& problem) {
-  if (!path_fits<L, DV>(problem)) return 4;
+  if (!path_fits<L, DV>(problem)) return kPathRefused;
   Problem pr = problem;
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
@@ -137,7 +140,7 @@ static int run_blocks(const Problem& problem) {
   for (int64_t j = 0; j < used && tiles; ++j) nrows = std::max(nrows, pr.block_req[block_at(j)] + 1);
   Scratch<uint16_t> qt;  // every row a block reads is packed before use
   qt.resize(tiles ? nrows * R * D : 0);
-  std::atomic<int> outside{0};
+  std::atomic<int> outside{0};  // 1: a block's slot outside the caches, 2: a draft key's
   std::atomic<int64_t> next_unit{0};
   const bool draft = pr.out && pr.draft_slots != nullptr;
   const int64_t Rn = hn * G;  // a unit's query rows
@@ -150,13 +153,17 @@ static int run_blocks(const Problem& problem) {
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
     std::vector<uint8_t> keeps(2 * B);
+    // (a run checked before its product with unit: a huge one must not wrap into the caches)
+    const int64_t max_run = (pr.num_slots + pr.unit - 1) / pr.unit;
     auto fill = [&](int64_t b, int64_t* slot, uint8_t* keep) {
       for (int64_t p = 0; p < B; ++p) {
-        slot[p] = pr.runs[b * nruns + p / pr.unit] * pr.unit + p % pr.unit;
+        const int64_t run = pr.runs[b * nruns + p / pr.unit];
+        slot[p] = run >= 0 && run < max_run ? run * pr.unit + p % pr.unit : -1;
         keep[p] = pr.valid[b * B + p];
         if (keep[p] && (slot[p] < 0 || slot[p] >= pr.num_slots)) {
           keep[p] = 0;
-          outside.store(1, std::memory_order_relaxed);
+          slot[p] = 0;
+          outside.fetch_or(1, std::memory_order_relaxed);
         }
       }
     };
@@ -173,7 +180,7 @@ static int run_blocks(const Problem& problem) {
     auto one_item = [&](int64_t r) { return row_items[r + 1] - row_items[r] == 1; };
     auto finish_row = [&](int64_t r, int64_t h0) {
       if (draft && !draft_partial<L>(pr, r, h0, h0 + hn, ds, dm.data(), dl.data(), dout.data()))
-        outside.store(1, std::memory_order_relaxed);
+        outside.fetch_or(2, std::memory_order_relaxed);
       const bool own = one_item(r);
       merge_row(pr, r, h0 * G, (h0 + hn) * G, own ? 0 : row_items[r], own ? 1 : row_items[r + 1],
                 own ? one_m.data() : pm, own ? one_l.data() : pl, own ? one_o.data() : po,
@@ -288,7 +295,8 @@ static int run_blocks(const Problem& problem) {
       }
     }
   }
-  return outside.load() ? 3 : 0;
+  const int bad = outside.load();
+  return bad & 1 ? kSlotOutside : bad & 2 ? kDraftSlotOutside : kOk;
 }
 
 template <class L>
@@ -299,20 +307,50 @@ static int run_head_size(const Problem& pr) {
   return run_blocks<L, 0>(pr);
 }
 
-// kind: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2. q: the queries (a score is q . K times
-// k_scale), of kind q_kind (0-2), [rows, hkv, G, D] (q_tokens 1) or, in the merged form, token-major with q_tokens
-// query tokens per row (gather_queries); m, l, o: the blocks' partials (the partials form's output; the merged form
-// keeps its own and reads none of these, which may be null);
-// out: nullptr, or the merged form's output, token-major as q (Problem::out), bfloat16 where out_bf16 else float32
-// (sinks may be nullptr); num_slots: the caches' rows; q_bf16_scale: > 0 when q is a bfloat16 query times this
-// scale (the tile path may take it, where the machine has one: tile_blocks.h), else 0; draft_slots: with out,
-// nullptr or [rows, nd] more keys per row, which query row i of a KV head sees where draft_mask [rows, tokens, nd]
-// shows them to its token i / (G / tokens) (verify's draft block: row_merge.h); path: the KernelPath to run;
-// q_rows: q's rows (the partials form's blocks index them).
-// Returns 0; 1 when a head size is not a multiple of 16, 2 for an unknown kind or query layout (the caller checks
-// these before calling); 3 when a valid position's (or a seen draft key's) slot lay outside the caches (left out of
-// the result, never read); 4 when this build cannot run path for these shapes; 5 when a block's row is negative
-// or (the partials form) not a row of q (nothing run).
+// One call (KernelCall: kernel_call.h, whose KernelRc names what this returns). The op (torch_op.cpp) checks every
+// shape and dtype before it calls; the indices the tables hold are checked here, in the pass that reads them.
+extern "C" int ca_run(const KernelCall* call) {
+  const KernelCall& c = *call;
+  const bool merged = c.out != nullptr;
+  if (c.D % 16 || c.Dv % 16) return kBadHeadSize;
+  // every block's row is a row of q (the merged form: or rows and past it, a bucket's unused blocks): checked here,
+  // where a bad one would index q, the counting sort's counts or the partials outside their memory
+  for (int64_t b = 0; b < c.n; ++b)
+    if (c.block_req[b] < 0 || (!merged && c.block_req[b] >= c.q_rows)) return kBadBlockRow;
+  if (c.q_kind < 0 || c.q_kind > 2 || c.q_tokens < 1 || c.G % c.q_tokens || ((c.q_kind || c.q_tokens > 1) && !merged))
+    return kBadKind;
+  // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
+  const bool bf16_as_is = c.q_kind == 1 && c.q_bf16_scale == 1.0f;
+  const int64_t rows = c.rows, hkv = c.hkv, G = c.G, D = c.D;
+  Scratch<float> qs;  // the queries converted and grouped, unless q is that already
+  if ((c.q_kind || c.q_tokens > 1) && !bf16_as_is) {
+    qs.resize(rows * hkv * G * D);
+    if (c.q_kind == 0)
+      gather_queries<F32>(static_cast<const float*>(c.q), c.q_tokens, rows, hkv, G, D, qs.data(), c.threads);
+    if (c.q_kind == 1)
+      gather_queries<BF16>(static_cast<const uint16_t*>(c.q), c.q_tokens, rows, hkv, G, D, qs.data(), c.threads);
+    if (c.q_kind == 2)
+      gather_queries<F16>(static_cast<const uint16_t*>(c.q), c.q_tokens, rows, hkv, G, D, qs.data(), c.threads);
+  }
+  const float f = c.kind == 3 ? 256.0f : 1.0f;
+  const float* q32 = bf16_as_is ? nullptr : qs.data() ? qs.data() : static_cast<const float*>(c.q);
+  Problem pr{q32, c.block_req, c.runs, c.valid, c.k, c.v, c.k_row, c.k_head, c.v_row, c.v_head, c.n, hkv, G, D, c.Dv,
+             c.B, c.unit, c.num_slots, c.k_scale * f, c.v_scale * f, c.cap, c.m, c.l, c.o, c.threads, rows, c.sinks,
+             c.out, c.q_tokens, c.out_bf16 != 0, c.q_bf16_scale, c.draft_slots, c.draft_mask, c.nd, c.tokens,
+             bf16_as_is ? static_cast<const uint16_t*>(c.q) : nullptr};
+  pr.path = c.path;
+  switch (c.kind) {
+    case 0: return run_head_size<F32>(pr);
+    case 1: return run_head_size<BF16>(pr);
+    case 2: return run_head_size<F16>(pr);
+    case 3: return run_head_size<E4M3>(pr);
+    case 4: return run_head_size<E5M2>(pr);
+    default: return kBadKind;
+  }
+}
+
+// ca_run with its fields as positional arguments, for a ctypes caller (the tests ask a build which paths it runs
+// through it, with no blocks); the op calls ca_run.
 extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_req, const int64_t* runs,
                                  const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
                                  int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
@@ -322,35 +360,10 @@ extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_r
                                  const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
                                  int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16, int path,
                                  int64_t q_rows) {
-  if (D % 16 || Dv % 16) return 1;
-  // every block's row is a row of q (the merged form: or rows and past it, a bucket's unused blocks): checked here,
-  // where a bad one would index q, the counting sort's counts or the partials outside their memory
-  for (int64_t b = 0; b < n; ++b)
-    if (block_req[b] < 0 || (!out && block_req[b] >= q_rows)) return 5;
-  if (q_kind < 0 || q_kind > 2 || q_tokens < 1 || G % q_tokens || ((q_kind || q_tokens > 1) && !out)) return 2;
-  // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
-  const bool bf16_as_is = q_kind == 1 && q_bf16_scale == 1.0f;
-  Scratch<float> qs;  // the queries converted and grouped, unless q is that already
-  if ((q_kind || q_tokens > 1) && !bf16_as_is) {
-    qs.resize(rows * hkv * G * D);
-    if (q_kind == 0) gather_queries<F32>(static_cast<const float*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
-    if (q_kind == 1) gather_queries<BF16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
-    if (q_kind == 2) gather_queries<F16>(static_cast<const uint16_t*>(q), q_tokens, rows, hkv, G, D, qs.data(), threads);
-  }
-  const float f = kind == 3 ? 256.0f : 1.0f;
-  Problem pr{bf16_as_is ? nullptr : qs.data() ? qs.data() : static_cast<const float*>(q), block_req, runs, valid, k, v, k_row, k_head, v_row,
-             v_head, n, hkv, G, D, Dv, B, unit, num_slots, k_scale * f, v_scale * f, cap, m, l, o, threads, rows,
-             sinks, out, q_tokens, out_bf16 != 0, q_bf16_scale, draft_slots, draft_mask, nd, tokens,
-             bf16_as_is ? static_cast<const uint16_t*>(q) : nullptr};
-  pr.path = path;
-  switch (kind) {
-    case 0: return run_head_size<F32>(pr);
-    case 1: return run_head_size<BF16>(pr);
-    case 2: return run_head_size<F16>(pr);
-    case 3: return run_head_size<E4M3>(pr);
-    case 4: return run_head_size<E5M2>(pr);
-    default: return 2;
-  }
+  const KernelCall c{kind, q_kind, q, q_rows, q_tokens, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head,
+                     num_slots, n, hkv, G, D, Dv, B, unit, k_scale, v_scale, cap, q_bf16_scale, m, l, o, threads,
+                     rows, sinks, out, out_bf16, draft_slots, draft_mask, nd, tokens, path};
+  return ca_run(&c);
 }
 
 // What this build runs, as bits: 1 AVX2 (with FMA and F16C), 2 AVX-512 (F, BW, VL), 4 AVX512-BF16 (the vector
