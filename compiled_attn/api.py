@@ -21,7 +21,8 @@ def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2] <= k_cache.shape[2])
 
 
-def _scale(scale, dqk: int) -> float:
+def softmax_scale(scale: float | None, dqk: int) -> float:
+    """``scale``, checked, or ``dqk ** -0.5`` where None."""
     return float(dqk) ** -0.5 if scale is None else validate.check_positive_number("scale", scale)
 
 
@@ -43,7 +44,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     meta = plan_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                        sliding_window=sliding_window, encoder_lens=encoder_lens, is_cross_attn=is_cross_attn,
                        page_size=page_size)
-    scale = _scale(scale, q.shape[2])
+    scale = softmax_scale(scale, q.shape[2])
     if meta.num_real == 0:  # as extend: an empty batch is an empty output, not an error from index_select
         return q.new_zeros(0, q.shape[1], v_cache.shape[2])
     return decode_blocks(q, k_cache, v_cache, build_decode_index(req_to_token, meta.inputs, meta.page_size),
@@ -66,5 +67,5 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     meta = plan_extend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn, page_size=page_size)
-    return extend_tiled(q, k_cache, v_cache, req_to_token, meta, _scale(scale, q.shape[2]), logit_cap,
+    return extend_tiled(q, k_cache, v_cache, req_to_token, meta, softmax_scale(scale, q.shape[2]), logit_cap,
                         k_scale=k_scale, v_scale=v_scale, sinks=sinks)

@@ -21,10 +21,10 @@ DEFAULT_RECOMPILE_LIMIT = 256
 
 
 def allow_data_dependent_sizes() -> None:
-    """Keep ops whose output size follows tensor data (``decode_fused.used_blocks``: a batch's used blocks) inside
-    the graph. ``fullgraph=True`` traces them anyway; a ``torch.compile`` without it (SGLang's CPU graph runner)
-    otherwise breaks the graph there on every attention layer, and dynamo runs the broken frames (the layer's
-    loop included) eagerly, so a compiled step of a small model took twice its eager time."""
+    """Keep ops whose output size follows tensor data (an index built inside a compiled forward) inside the graph.
+    ``fullgraph=True`` traces them anyway; a ``torch.compile`` without it (SGLang's CPU graph runner) otherwise
+    breaks the graph there on every attention layer, and dynamo runs the broken frames (the layer's loop included)
+    eagerly, so a compiled step of a small model took twice its eager time."""
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 

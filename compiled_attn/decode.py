@@ -7,47 +7,44 @@ and a captured graph's cost follows its block-capacity bucket, not the table wid
 softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
 (flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
 
-Three forms compute the blocks. On CPU the fused form reads K/V in place through the block table, with no gathered
-copy, over the used blocks only: by the C++ kernel (``native_decode``, head sizes that are multiples of 16, MLA's
-576/512 latent included; it skips a bucket's unused blocks and merges the rest in the same call), eagerly and
-compiled, or else, under ``torch.compile`` with one head size and separate K and V caches, as code that inductor traces
-(``decode_fused.fused_block_partials``, after ``decode_fused.used_blocks`` counts the used blocks on the host: a
-data-dependent size to the compile). On CPU eagerly without that kernel (one head size, no soft-cap), the opaque
-op ``decode_flash`` runs the blocks through ATen's CPU flash kernel (``decode_flash.py``: one request as one
-sequence, its slots in one gather where the host indexed it, a small batch padded into one call, else L2-sized
-chunks of blocks gathered by ``block_flash.block_attention``), reading ``valid`` on the host to skip a bucket's
-padding.
-Elsewhere (CUDA, where inductor turns it into fused kernels; without the kernel, MLA's 576/512 and soft-capped
-models eagerly) the matmul form below runs.
+One kernel per device computes the blocks (``forms.choose_form`` picks it and says why): on CPU the C++ kernel
+(``native_decode``) reads K/V in place through the block table, skips a bucket's unused blocks and merges the rest
+in the same call; on CUDA the Triton kernel reads each request's range from device memory and skips the blocks past
+it; elsewhere, or where no kernel serves the call, the matmul form below gathers the blocks (inductor fuses it).
 
 All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from graphs import cdiv
-
 from . import validate
-from .block_flash import chunk_blocks_for
-from .decode_flash import decode_flash, decode_flash_eager, single_request_flash
-from .decode_fused import grouped_queries, used_block_partials
 from .forms import choose_form, explain
-from .inplace_flash import index_in_place
 from .kernels.triton_form import triton_decode_blocks
-from .kv_dtype import compute_dtype, dequantize, gather_rows, scale_pair
-from .merge import apply_sinks, merge_partials
+from .kv_blocks import (
+    aligned_kv_lo,
+    cdiv,
+    decode_blocks_needed,
+    gather_unit,
+)
+from .kv_dtype import dequantize, gather_rows, scale_pair
+from .merge import merge_partials
 from .metadata import DecodeInputs
 from .native_decode import bf16_query_scale, native_decode_blocks
 from .opaque import opaque_op
 
+__all__ = ["DecodeIndex", "SlotMap", "build_decode_index", "decode_blocks", "matmul_partials", "masked_softmax_parts",
+           "merge_blocks", "sinks_by_kv_head", "translate_slots"]
+
 
 @dataclass
 class DecodeIndex:
-    """Per-step block table shared by every layer (built once per step by ``build_decode_index``).
+    """Per-step block table shared by every layer (built once per step by ``build_decode_index``); read only (a
+    batch of one's host-built ``valid`` and ``block_req`` are views of shared constants).
 
     block_req: [num_blocks] int64, the batch row each block belongs to (``num_rows`` for unused blocks)
     slots:     [num_blocks, block_size] int64, KV slot of each block position; where invalid, the block's first
@@ -55,10 +52,6 @@ class DecodeIndex:
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
     unit:      positions per gathered run: ``gcd(page_size, block_size)`` (1 for a token-granular cache)
     units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
-    single:    [n] int64 or None: a batch of one's key slots in position order, set by the host-built index
-               (``_single_request_index``); the CPU eager decode reads them in one gather
-    key_runs:  the eager CPU forms' split of these keys into runs of slots (``inplace_flash.index_in_place``):
-               empty until a layer first asks, then ``(KeyRuns or None,)``, kept for the step's other layers
     req_to_token, inputs: what the index was built from: the Triton kernel reads each request's range from them
                instead of the block table (None in an index built by hand)
     """
@@ -68,8 +61,6 @@ class DecodeIndex:
     valid: torch.Tensor
     unit: int = 1
     units: torch.Tensor | None = None
-    single: torch.Tensor | None = None
-    key_runs: tuple = field(default=(), repr=False, compare=False)
     req_to_token: torch.Tensor | None = field(default=None, repr=False, compare=False)
     inputs: DecodeInputs | None = field(default=None, repr=False, compare=False)
 
@@ -81,35 +72,6 @@ class DecodeIndex:
     @property
     def block_size(self) -> int:
         return self.slots.shape[1]
-
-
-def gather_unit(page_size: int, block_size: int) -> int:
-    """Positions per gathered run of consecutive slots: ``gcd(page_size, block_size)`` (1 without pages)."""
-    a, b = int(page_size), int(block_size)
-    while b:  # Euclid by hand: dynamo cannot trace math.gcd on a shape
-        a, b = b, a % b
-    return a
-
-
-def aligned_kv_lo(kv_lo: torch.Tensor, unit: int) -> torch.Tensor:
-    """Where a request's first block starts: ``kv_lo`` rounded down to a multiple of the gather ``unit`` (each run
-    of ``unit`` positions then lies in one page); the fewer than ``unit`` positions before ``kv_lo`` are masked."""
-    return kv_lo if unit == 1 else kv_lo - kv_lo % unit
-
-
-def decode_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: int, page_size: int = 1
-                         ) -> torch.Tensor:
-    """[bs] blocks each request's range ``[kv_lo, kv_hi)`` takes (its first block starting at a run boundary)."""
-    start = aligned_kv_lo(kv_lo, gather_unit(page_size, block_size))
-    return cdiv((kv_hi - start).clamp_min(0), block_size) * (kv_hi > kv_lo)
-
-
-def total_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: int, page_size: int = 1) -> int:
-    """``decode_blocks_needed(...).sum()`` as a Python int, counted over the ranges read once on the host: a plan's
-    and a graph check's count without the ~9 small tensor ops of the tensor form (tens of us at batch 1)."""
-    unit = gather_unit(page_size, block_size)
-    return sum(cdiv(hi - (lo - lo % unit), block_size)
-               for lo, hi in zip(kv_lo.tolist(), kv_hi.tolist(), strict=True) if hi > lo)
 
 
 class SlotMap(NamedTuple):
@@ -148,7 +110,7 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_si
     bs = req_rows.shape[0]
     block_size = block_offsets.shape[0]
     unit = gather_unit(page_size, block_size)
-    if host_form and bs == 1 and req_to_token.device.type == "cpu" and not torch.compiler.is_compiling():
+    if host_form and bs == 1 and req_to_token.is_cpu and not torch.compiler.is_compiling():
         return _single_request_index(req_to_token, inputs, unit, slot_map)
     return _batched_index(req_to_token, inputs, unit, slot_map)
 
@@ -193,21 +155,43 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
                           slot_map: SlotMap | None = None) -> DecodeIndex:
-    """``build_decode_index`` of a batch of one on CPU, eagerly: the request's range read on the host (a CPU tensor:
-    no sync) and its key slots as one slice of its table row (``single``); the block table, equal to the general
-    form's, is built from that slice only if something reads it. Why: at batch 1 and a short context the general
-    form's ~25 small ops cost as much as the attention itself, and the CPU decode of a short request needs only
-    ``single``. Traced code (``torch.compile``) and CUDA keep the general form."""
+    """``build_decode_index`` of a batch of one on CPU, eagerly, equal field by field to the general form: the
+    request's range read on the host (a CPU tensor: no sync), its slots copied from one slice of its table row, the
+    masked positions (before ``kv_lo`` in the first block, past ``kv_hi`` in the last) set by slices, and where the
+    keys start a block, ``valid`` and ``block_req`` views of constants (``_prefix_view``). Why: the general form's
+    ~25 small ops cost as much as the attention of a short request at batch 1; this is ~5. Traced code
+    (``torch.compile``) and CUDA keep the general form."""
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     block_size, capacity = block_offsets.shape[0], block_ids.shape[0]
     row, lo, hi = req_rows.item(), kv_lo.item(), kv_hi.item()
     start = lo - lo % unit
     nblk = min(cdiv(hi - start, block_size), capacity) if hi > lo else 0
-    raw = translate_slots(req_to_token[row, start:start + nblk * block_size].to(torch.int64), slot_map)
-    # the request's keys in order (a view; hi <= the table's width): only when no block was cut by the capacity
-    single = raw[lo - start:hi - start] if nblk * block_size >= hi - start else None
-    index = _SingleRequestIndex(raw, lo - start, hi - start, nblk, capacity, block_size, unit, single)
-    index.req_to_token, index.inputs = req_to_token, inputs
+    n = nblk * block_size
+    first, end = lo - start, min(hi - start, n)  # the request's keys: positions [first, end) of its blocks
+    raw = req_to_token[row, start:start + n]  # shorter than n where the last block runs past the table's width
+    if slot_map is not None:
+        raw = translate_slots(raw.to(torch.int64), slot_map)
+    if nblk == capacity and raw.shape[0] == n:  # every block used, all inside the table: one copy
+        slots = raw.to(torch.int64, copy=True)
+    else:
+        slots = torch.zeros(capacity * block_size, dtype=torch.int64)  # unused blocks read the padding slot
+        slots[:raw.shape[0]] = raw
+    if nblk:  # masked positions read their block's first slot (the request's own), as in the general form
+        if first > 1:
+            slots[1:first] = raw[0]
+        if end < n:
+            slots[end:n] = raw[n - block_size]
+    shape = (capacity, block_size)
+    if first == 0:
+        valid = _prefix_view(end, shape, True, False, torch.bool)
+    else:
+        valid = torch.zeros(shape, dtype=torch.bool)
+        valid.view(-1)[first:end] = True
+    block_req = _prefix_view(nblk, (capacity,), 0, 1, torch.int64)  # unused blocks: row 1 (= bs)
+    slots = slots.view(shape)
+    index = DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit,
+                        units=slots[:, ::unit] // unit if unit > 1 else None, req_to_token=req_to_token,
+                        inputs=inputs)
     if slot_map is not None:  # the translated slots as the table (as the general form's)
         index.req_to_token = raw[None].to(torch.int32)
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
@@ -215,45 +199,25 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     return index
 
 
-class _SingleRequestIndex(DecodeIndex):
-    """A host-built ``DecodeIndex`` of one request (``_single_request_index``): ``single`` at once, ``block_req``,
-    ``slots``, ``valid`` and ``units`` on first read (then kept)."""
+_PREFIX_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
-    def __init__(self, raw: torch.Tensor, first: int, end: int, nblk: int, capacity: int, block_size: int,
-                 unit: int, single: torch.Tensor | None):
-        # raw: the table row's slots from the first block's start; [first, end): the request's keys in it
-        self._raw, self._span, self._shape = raw, (first, end), (nblk, capacity, block_size)
-        self.unit, self.single, self._table, self.key_runs = unit, single, None, ()
-        self.req_to_token, self.inputs = None, None
 
-    @property
-    def block_size(self) -> int:
-        return self._shape[2]
-
-    def _built(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self._table is None:
-            (first, end), (nblk, capacity, block_size), unit = self._span, self._shape, self.unit
-            n = nblk * block_size
-            raw = self._raw
-            if raw.shape[0] < n:  # the last block runs past the table's width: those positions are masked anyway
-                raw = torch.cat([raw, raw.new_zeros(n - raw.shape[0])])
-            raw = raw.view(nblk, block_size)
-            offsets = torch.arange(n).view(nblk, block_size)
-            valid = (offsets < end) & (offsets >= first)
-            # masked positions read their block's first slot, as in the general form
-            slots = torch.where(valid, raw, raw[:, :1])
-            block_req = torch.zeros(capacity, dtype=torch.int64)
-            if nblk < capacity:  # unused blocks: row 1 (= bs), slot 0, nothing valid
-                block_req[nblk:] = 1
-                slots = torch.cat([slots, slots.new_zeros(capacity - nblk, block_size)])
-                valid = torch.cat([valid, valid.new_zeros(capacity - nblk, block_size)])
-            self._table = (block_req, slots, valid, slots[:, ::unit] // unit if unit > 1 else None)
-        return self._table
-
-    block_req = property(lambda self: self._built()[0])
-    slots = property(lambda self: self._built()[1])
-    valid = property(lambda self: self._built()[2])
-    units = property(lambda self: self._built()[3])
+def _prefix_view(count: int, shape: tuple[int, ...], before, after, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` (one or two dimensions, on the CPU) whose first ``count`` entries in
+    row-major order are ``before`` and the rest ``after``: a view of a constant ``[before] * half + [after] * half``
+    made once per (values, dtype) and grown as needed. Why: a fresh tensor and its fill are two or three tensor ops a
+    step at batch 1, a view is one. Read only, as every tensor of a ``DecodeIndex`` is (its consumers never write
+    it)."""
+    length = math.prod(shape)
+    key = (before, after, dtype)
+    const = _PREFIX_CONSTANTS.get(key)
+    if const is None or const.shape[0] < 2 * length:
+        half = 1 << max(length, 4096).bit_length()
+        with torch.inference_mode(False):  # a plain tensor: read inside inference mode or out of it
+            const = _PREFIX_CONSTANTS[key] = torch.cat([torch.full((half,), before, dtype=dtype),
+                                                        torch.full((half,), after, dtype=dtype)])
+    strides = (shape[1], 1) if len(shape) == 2 else (1,)
+    return const.as_strided(shape, strides, const.shape[0] // 2 - count)
 
 
 def decode_blocks(
@@ -265,13 +229,10 @@ def decode_blocks(
     logit_cap: float | None = None,
     *,
     v_shares_k: bool = False,
-    cpu_flash: bool | None = None,
-    fused: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
-    native: bool | None = None,
-    form: str | None = None,
+    form: str | None = "auto",
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
@@ -280,22 +241,10 @@ def decode_blocks(
     v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
     sinks: [Hq] attention sinks (gpt-oss): a learned logit per head that joins each row's softmax denominator
         (``exp(sink)`` beside the keys' ``exp(score)``) with no value, so a row can attend to "nothing"
-    cpu_flash: per-block attention through ATen's CPU flash kernel (``decode_flash``) rather than the matmul form;
-        None picks it wherever it applies (CPU, one head size, no soft-cap) unless the fused form is picked.
-    fused: the blocks read K/V in place (``decode_fused``; any head sizes, soft-cap, V read from ``v_cache`` even
-        when it shares K's rows); None picks it on a CPU where the C++ kernel serves the call (MLA's latent too),
-        or while compiling for one head size and V a cache of its own (the traced form reads MLA's latent twice,
-        measured no faster than the matmul form). Its traced form eagerly is correct but materialises a copy of all
-        K and V.
-    native: the fused form's kernel: the C++ one (``native_decode``; None: wherever it fits, which also makes the
-        fused form the CPU's eager default for a batch of more than one) or False for the traced form (on CUDA:
-        False is the matmul form rather than the Triton kernel).
-    form: one of ``forms.FORMS`` to run that form, instead of the three overrides above (``forms.choose_form``
-        decides, and says why: ``COMPILED_ATTN_EXPLAIN=1``).
-    The choices follow shapes, dtypes, the device and whether the code is being compiled, never tensor values.
-    returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32 (a bf16/fp16 query over a cache of its
-    dtype or float8 hands the CPU flash kernel half-precision tiles, which it accumulates in float32); a row with
-    no keys gives zeros.
+    form: "auto" (or None) runs the device's kernel where it serves the call, else the matmul form; "kernel",
+        "triton" or "matmul" runs that form (``forms.choose_form`` decides, and says why:
+        ``COMPILED_ATTN_EXPLAIN=1``). The choice follows shapes, dtypes and the device, never tensor values.
+    returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32; a row with no keys gives zeros.
     """
     bs, hq, dqk = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -305,11 +254,8 @@ def decode_blocks(
             validate.check_index_rows(q, index.inputs.req_rows.shape[0])
     if bs == 0:  # an empty batch: nothing to gather (index_select refuses a 0-row source)
         return q.new_zeros(0, hq, dv)
-    choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, v_shares_k=v_shares_k,
-                         logit_cap=logit_cap, form=form, fused=fused, cpu_flash=cpu_flash, native=native)
+    choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, form=form)
     explain("decode_blocks", choice, q, k_cache, v_cache, hq // hkv)
-    # a batch of one indexed on the host too (the kernel splits its KV heads between the threads, faster than
-    # its one gather and flash call at any length): the kernel reads the table that index builds from its slots
     if choice.form == "kernel":  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
         ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
         return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
@@ -318,16 +264,25 @@ def decode_blocks(
     if choice.form == "triton":  # the kernel reads each request's range and skips the blocks past it
         return triton_decode_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
                                     sinks)
-    if choice.form == "traced":
-        block_req, m, lsum, o = used_block_partials(q, index, hkv, scale, k_cache, v_cache, logit_cap, k_scale,
-                                                    v_scale)
-        out = merge_blocks(m, lsum, o, block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
-        return out.reshape(bs, hq, dv).to(q.dtype)
-    if choice.form == "flash":
-        return _decode_flash(q, k_cache, v_cache, index, scale, k_scale, v_scale, sinks_by_kv_head(sinks, hkv, hq))
+    qg = q.view(bs, hkv, hq // hkv, dqk)
+    m, lsum, o = matmul_partials(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
+    out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
+    return out.reshape(bs, hq, dv).to(q.dtype)
+
+
+def matmul_partials(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex, scale: float,
+                    logit_cap: float | None, v_shares_k: bool, k_scale: float | None, v_scale: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The portable form's blocks: each block's partial softmax by gathers and batched matmuls.
+
+    qg: [bs, Hkv, rows, Dqk] queries grouped by KV head (decode: the group's heads; verify: k draft tokens times
+    them); index: the blocks (``DecodeIndex``; unused blocks, of row bs, read the last row and are masked);
+    -> m, lsum [nblk, Hkv, rows] and o [nblk, Hkv, rows, Dv] unnormalised, float32."""
+    bs, hkv, _, dqk = qg.shape
+    dv = v_cache.shape[2]
     nblk, block_size = index.slots.shape
     flat = index.slots.reshape(-1)
-    qb = grouped_queries(q, index.block_req, hkv) * scale
+    qb = qg.index_select(0, index.block_req.clamp_max(bs - 1)).float() * scale  # [nblk, Hkv, rows, D]
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
     # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched
@@ -339,19 +294,22 @@ def decode_blocks(
             v = k[..., :dv]
         else:
             v = dequantize(gather_rows(v_cache[:, h], flat), torch.float32, v_scale).view(nblk, block_size, dv)
-        s = torch.bmm(qb[:, h], k.transpose(1, 2))  # [nblk, group, block_size]
-        if logit_cap is not None:
-            s = logit_cap * torch.tanh(s / logit_cap)
-        # select, never multiply: a masked score or weight is replaced, so nothing gathered there reaches the sums
-        s = s.masked_fill(~valid, torch.finfo(torch.float32).min)
-        m = s.amax(-1)
-        p = torch.where(valid, torch.exp(s - m[..., None]), 0.0)
+        m, p = masked_softmax_parts(torch.bmm(qb[:, h], k.transpose(1, 2)), valid, logit_cap)  # [nblk, rows, B]
         ms.append(m)
         ls.append(p.sum(-1))
-        os_.append(torch.bmm(p, v))  # [nblk, group, dv]
-    m, lsum, o = torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)  # [nblk, hkv, group(, dv)]
-    out = merge_blocks(m, lsum, o, index.block_req, bs, sinks_by_kv_head(sinks, hkv, hq))
-    return out.reshape(bs, hq, dv).to(q.dtype)
+        os_.append(torch.bmm(p, v))  # [nblk, rows, dv]
+    return torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)
+
+
+def masked_softmax_parts(s: torch.Tensor, valid: torch.Tensor, logit_cap: float | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores s [..., keys] -> (row max, exp weights); select, never multiply: a masked score or weight is replaced,
+    so nothing gathered there reaches the sums. valid broadcasts against s."""
+    if logit_cap is not None:
+        s = logit_cap * torch.tanh(s / logit_cap)
+    s = s.masked_fill(~valid, torch.finfo(torch.float32).min)
+    m = s.amax(-1)
+    return m, torch.where(valid, torch.exp(s - m[..., None]), 0.0)
 
 
 def sinks_by_kv_head(sinks: torch.Tensor | None, hkv: int, hq: int) -> torch.Tensor | None:
@@ -361,32 +319,6 @@ def sinks_by_kv_head(sinks: torch.Tensor | None, hkv: int, hq: int) -> torch.Ten
     if not torch.compiler.is_compiling():
         validate.check_sinks(sinks, hq)
     return sinks.float().reshape(hkv, hq // hkv)
-
-
-def _decode_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
-                  scale: float, k_scale: float | None, v_scale: float | None,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
-    """``decode_blocks`` through the one CPU op ``decode_flash`` (its docstring: which path runs when)."""
-    bs, hq, d = q.shape
-    block_size = index.block_size
-    hkv = k_cache.shape[1]
-    qg = q.reshape(bs, hkv, hq // hkv, d).to(compute_dtype(q.dtype, k_cache.dtype))  # the kernels' queries
-    chunk_blocks = chunk_blocks_for(block_size, hkv, d)
-    compiling = torch.compiler.is_compiling()
-    scales = scale_pair(k_scale, v_scale)
-    if not compiling:  # keys in long runs of slots read in place, the runs found once per step (inplace_flash)
-        found = index_in_place(qg, k_cache, v_cache, index, scale, chunk_blocks * block_size, *scales)
-        if found is not None:
-            return apply_sinks(*found, sinks).reshape(bs, hq, d).to(q.dtype)
-    if index.single is not None and not compiling:  # a batch of one, its keys' slots known on the host
-        o = single_request_flash(qg, k_cache, v_cache, index.single, scale, block_size, *scales, sinks)
-        if o is not None:
-            return o.reshape(bs, hq, d).to(q.dtype)
-    # eager: the op's body directly (the op's dispatch cost is a short request's kernel call)
-    run = decode_flash if compiling else decode_flash_eager
-    o = run(qg, k_cache, v_cache, index.runs, index.valid, index.block_req, scale, chunk_blocks, index.unit, *scales,
-            sinks)
-    return o.reshape(bs, hq, d).to(q.dtype)
 
 
 @opaque_op

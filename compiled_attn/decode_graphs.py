@@ -21,7 +21,7 @@ from graphs import BucketedGraphs, BucketPolicy, BufferSpec, StaticBuffers, cdiv
 
 from . import validate
 from .compile_policy import compile_step
-from .decode import total_blocks_needed
+from .kv_blocks import total_blocks_needed
 from .metadata import DecodeInputs, DecodeMetadata
 
 #: the per-row fields of ``DecodeInputs`` (req_rows, kv_lo, kv_hi; the other two are unbatched aranges)

@@ -25,10 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import cdiv
-
 from .decode import SlotMap, merge_blocks, sinks_by_kv_head, translate_slots
 from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
+from .kv_blocks import cdiv
 from .kv_dtype import dequantize, gather_rows, scale_pair
 from .metadata import ExtendMetadata
 

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+__all__ = ["DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata"]
+
 
 class DecodeInputs(NamedTuple):
     """The per-step tensors of a decode batch (padded rows: row 0, empty range).

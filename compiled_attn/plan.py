@@ -3,14 +3,21 @@
 Follows SGLang's argument meanings: ``seq_lens`` counts a request's tokens including the new ones,
 ``extend_prefix_lens`` the cached ones, ``encoder_lens`` the encoder tokens stored before the decoder's
 (cross-attention reads ``[0, encoder_len)``, decoder self-attention ``[encoder_len, encoder_len + seq_len)``).
+A decode plan does its host arithmetic on Python ints (the ``[bs]`` inputs read once) and makes its step tensors in
+one host-to-device copy: a batch of one plans in a few small tensor ops.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from . import validate
-from .decode import aligned_kv_lo, gather_unit, total_blocks_needed
+from .kv_blocks import gather_unit, total_blocks_needed
 from .metadata import DecodeInputs, DecodeMetadata, ExtendInputs, ExtendMetadata
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "decode_kv_bounds", "decode_kv_range", "normalize_window", "plan_decode",
+           "plan_extend"]
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -28,6 +35,22 @@ def _pad(t: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return out
 
 
+def _int64_rows(columns: list[list[int]], n: int, device: torch.device) -> list[torch.Tensor]:
+    """Columns of Python ints, each padded with zeros to ``n`` entries -> one [n] int64 tensor on ``device`` each:
+    the rows of one tensor, made by one host-to-device copy (where a tensor each costs three times the ops)."""
+    padded = columns if len(columns[0]) == n else [c + [0] * (n - len(c)) for c in columns]
+    return list(torch.tensor(padded, dtype=torch.int64, device=device).unbind())
+
+
+@functools.lru_cache(maxsize=512)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n, device=device)``, made once per length: the plans' ``block_ids`` and ``block_offsets`` are
+    such constants, read and never written, and a fresh one is a tensor op per step (a few us at batch 1). Made
+    outside inference mode (SGLang plans inside it), so a later use outside it, compiled included, may read it."""
+    with torch.inference_mode(False):
+        return torch.arange(n, device=device)
+
+
 def _capacity(name: str, given: int | None, needed: int, minimum: int = 1) -> int:
     if given is None:
         return max(needed, minimum)
@@ -36,12 +59,13 @@ def _capacity(name: str, given: int | None, needed: int, minimum: int = 1) -> in
     return given
 
 
-def _encoder_lens(encoder_lens, is_cross_attn, bs, device):
+def _encoder_values(encoder_lens, is_cross_attn: bool, bs: int, device: torch.device) -> list[int]:
+    """[bs] encoder lengths as Python ints (zeros for decoder-only)."""
     if encoder_lens is None:
         if is_cross_attn:
             raise ValueError("is_cross_attn=True needs encoder_lens")
-        return torch.zeros(bs, dtype=torch.int64)
-    return validate.check_lengths("encoder_lens", encoder_lens, bs, device)
+        return [0] * bs
+    return validate.length_values("encoder_lens", encoder_lens, bs, device)
 
 
 def decode_kv_range(seq_lens: torch.Tensor, encoder_lens: torch.Tensor, sliding_window: int | None,
@@ -58,6 +82,17 @@ def decode_kv_range(seq_lens: torch.Tensor, encoder_lens: torch.Tensor, sliding_
     if sliding_window is not None:
         lo = encoder_lens + (seq_lens - 1 - sliding_window).clamp_min(0)
     return lo, encoder_lens + seq_lens
+
+
+def decode_kv_bounds(seq_lens: list[int], encoder_lens: list[int], sliding_window: int | None,
+                     is_cross_attn: bool) -> tuple[list[int], list[int]]:
+    """``decode_kv_range`` on Python ints (the plan's host arithmetic): [bs] lists -> lo, hi: [bs] lists."""
+    if is_cross_attn:
+        return [0] * len(encoder_lens), encoder_lens
+    hi = [e + n for n, e in zip(seq_lens, encoder_lens, strict=True)]
+    if sliding_window is None:
+        return encoder_lens, hi
+    return [e + max(n - 1 - sliding_window, 0) for n, e in zip(seq_lens, encoder_lens, strict=True)], hi
 
 
 def plan_decode(
@@ -95,31 +130,26 @@ def plan_decode(
     validate.check_positive_int("block_size", block_size)
     validate.check_positive_int("page_size", page_size)
     bs, device = q.shape[0], q.device
-    rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
-    lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
-    enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
+    rows = validate.table_rows(req_to_token, req_pool_indices, bs, device)
+    lens = validate.length_values("seq_lens", seq_lens, bs, device)
+    enc = _encoder_values(encoder_lens, is_cross_attn, bs, device)
     sliding_window = normalize_window(sliding_window)
     validate.check_window_and_cap(sliding_window, None)
     if is_cross_attn and sliding_window is not None:
         raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
-    lo, hi = decode_kv_range(lens, enc, sliding_window, is_cross_attn)
+    lo, hi = decode_kv_bounds(lens, enc, sliding_window, is_cross_attn)
     validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
                           "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
-    # the first block starts at a run boundary: the few positions it reads before lo are checked too
-    start = aligned_kv_lo(lo, gather_unit(page_size, block_size))
-    if check_slots:
+    if check_slots:  # from the first block's start, a run boundary: the few positions it reads before lo too
+        unit = gather_unit(page_size, block_size)
+        start = lo if unit == 1 else [x - x % unit for x in lo]
         validate.check_slots(req_to_token, rows, start, hi, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, hi, page_size)
     needed = total_blocks_needed(lo, hi, block_size, page_size)
     bs_cap = _capacity("batch_capacity", batch_capacity, bs)
     nblk = _capacity("block_capacity", block_capacity, needed)
-    inputs = DecodeInputs(
-        req_rows=_pad(rows, bs_cap).to(device),
-        kv_lo=_pad(lo, bs_cap).to(device),
-        kv_hi=_pad(hi, bs_cap).to(device),
-        block_ids=torch.arange(nblk, device=device),
-        block_offsets=torch.arange(block_size, device=device),
-    )
+    req_rows, kv_lo, kv_hi = _int64_rows([rows, lo, hi], bs_cap, device)
+    inputs = DecodeInputs(req_rows, kv_lo, kv_hi, _arange(nblk, device), _arange(block_size, device))
     return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
 
 
@@ -158,7 +188,7 @@ def plan_extend(
     lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
     prefix = validate.check_lengths("extend_prefix_lens", extend_prefix_lens, bs, device)
     ext = validate.check_lengths("extend_seq_lens", extend_seq_lens, bs, device)
-    enc = _encoder_lens(encoder_lens, is_cross_attn, bs, device)
+    enc = torch.tensor(_encoder_values(encoder_lens, is_cross_attn, bs, device), dtype=torch.int64)
     sliding_window = normalize_window(sliding_window)
     validate.check_window_and_cap(sliding_window, None)
     if not torch.equal(prefix + ext, lens):

@@ -1,15 +1,25 @@
 """Host-side input checks for ``plan``: clear errors naming the argument and the limit.
 
-These run once per step, outside the compiled hot path, so they may read small ``[bs]`` tensors on the host.
+These run once per step, outside the compiled hot path, so they may read small ``[bs]`` tensors on the host. The
+per-request checks take ``[bs]`` host tensors or lists of Python ints: a plan that already holds the values as ints
+checks a batch of one with a few Python comparisons instead of a dozen small tensor ops.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import torch
 
 from .kv_dtype import KV_DTYPES
+
+__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "check_growth", "check_index_rows", "check_kv_end", "check_lengths",
+           "check_page_layout", "check_positive_int", "check_positive_number", "check_qkv", "check_scales",
+           "check_sinks", "check_slot_values", "check_slots", "check_table", "check_tensor", "check_window_and_cap",
+           "length_values", "table_rows"]
+
+Ints = Sequence[int] | torch.Tensor  # [bs] int64 on the host, or its values as Python ints
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -25,7 +35,7 @@ def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | 
         raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} (the device of q)")
-    if t.device.type == "meta":  # no data to read or attend over; ATen fails deep inside otherwise
+    if t.is_meta:  # no data to read or attend over; ATen fails deep inside otherwise
         raise ValueError(f"{name} is on the meta device (shape only, no data); pass a tensor with storage")
 
 
@@ -42,58 +52,93 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
     """Check ``q: [n, Hq, Dqk]`` (float32/bf16/fp16), ``k_cache: [S, Hkv, Dqk]``, ``v_cache: [S, Hkv, Dv]`` (one
     dtype of ``kv_dtype.KV_DTYPES``, float8 included); return (Hq, Hkv, Dqk, Dv)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 3, KV_DTYPES, q.device)
-    check_tensor("v_cache", v_cache, 3, KV_DTYPES, q.device)
+    device = q.device
+    check_tensor("k_cache", k_cache, 3, KV_DTYPES, device)
+    check_tensor("v_cache", v_cache, 3, KV_DTYPES, device)
     if k_cache.dtype != v_cache.dtype:  # the query may differ (a float8 cache, a float32 query over a bf16 cache)
         raise TypeError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}")
-    hq, dqk = q.shape[1], q.shape[2]
+    _, hq, dqk = q.shape
     slots, hkv, dk = k_cache.shape
-    if hq < 1 or dqk < 1 or v_cache.shape[2] < 1:
-        raise ValueError(f"q heads, q head dim and v_cache head dim must be >= 1, got {hq}, {dqk}, "
-                         f"{v_cache.shape[2]}")
+    v_slots, v_heads, dv = v_cache.shape
+    if hq < 1 or dqk < 1 or dv < 1:
+        raise ValueError(f"q heads, q head dim and v_cache head dim must be >= 1, got {hq}, {dqk}, {dv}")
     if slots < 1:
         raise ValueError(f"k_cache must have >= 1 slot (dim 0), got shape {tuple(k_cache.shape)}")
     if dk != dqk:
         raise ValueError(f"k_cache head dim {dk} must equal q head dim {dqk}")
-    if v_cache.shape[0] != slots or v_cache.shape[1] != hkv:
+    if v_slots != slots or v_heads != hkv:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must be [{slots}, {hkv}, Dv] to match k_cache")
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"q heads ({hq}) must be a multiple of k_cache heads ({hkv})")
-    return hq, hkv, dqk, v_cache.shape[2]
+    return hq, hkv, dqk, dv
 
 
-def check_lengths(name: str, t: torch.Tensor, bs: int, device: torch.device) -> torch.Tensor:
-    """Check a ``[bs]`` integer tensor of lengths; return it as int64 on the host."""
+def _check_vector(name: str, t: torch.Tensor, bs: int, device: torch.device) -> None:
     check_tensor(name, t, 1, INDEX_DTYPES, device)
     if t.shape[0] != bs:
         raise ValueError(f"{name} must have shape [{bs}] (the batch size), got {tuple(t.shape)}")
-    host = t.detach().to("cpu", torch.int64)
-    low = min(host.tolist(), default=0)  # Python ints: one op, where min() and int() are two per check
+
+
+def _check_lengths(name: str, values: list[int]) -> list[int]:
+    low = min(values, default=0)
     if low < 0:
         raise ValueError(f"{name} must be >= 0, got min {low}")
+    return values
+
+
+def length_values(name: str, t: torch.Tensor, bs: int, device: torch.device) -> list[int]:
+    """Check a ``[bs]`` integer tensor of lengths (on ``device``, each >= 0); return its values as Python ints."""
+    _check_vector(name, t, bs, device)
+    return _check_lengths(name, t.tolist())  # one host read (a sync on CUDA)
+
+
+def check_lengths(name: str, t: torch.Tensor, bs: int, device: torch.device) -> torch.Tensor:
+    """``length_values``, returned as a ``[bs]`` int64 tensor on the host."""
+    _check_vector(name, t, bs, device)
+    host = t.detach().to("cpu", torch.int64)
+    _check_lengths(name, host.tolist())
     return host
 
 
-def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int, device: torch.device):
-    """Check the request table and the batch's rows; return the rows as int64 on the host."""
-    check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
-    check_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, device)
-    if req_pool_indices.shape[0] != bs:
-        raise ValueError(f"req_pool_indices must have shape [{bs}] (the batch size), "
-                         f"got {tuple(req_pool_indices.shape)}")
-    rows = req_pool_indices.detach().to("cpu", torch.int64)
-    max_reqs = req_to_token.shape[0]
-    if bs:
-        values = rows.tolist()
+def _check_rows(values: list[int], max_reqs: int) -> list[int]:
+    if values:
         low, high = min(values), max(values)
         if low < 0 or high >= max_reqs:
             raise ValueError(f"req_pool_indices must lie in [0, {max_reqs}) (rows of req_to_token), "
                              f"got range [{low}, {high}]")
+    return values
+
+
+def table_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int, device: torch.device
+               ) -> list[int]:
+    """Check the request table ``[max_reqs, max_context_len]`` and the batch's rows ``[bs]`` (rows of the table);
+    return the rows as Python ints."""
+    check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
+    _check_vector("req_pool_indices", req_pool_indices, bs, device)
+    return _check_rows(req_pool_indices.tolist(), req_to_token.shape[0])
+
+
+def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int, device: torch.device
+                ) -> torch.Tensor:
+    """``table_rows``, the rows returned as a ``[bs]`` int64 tensor on the host."""
+    check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
+    _check_vector("req_pool_indices", req_pool_indices, bs, device)
+    rows = req_pool_indices.detach().to("cpu", torch.int64)
+    _check_rows(rows.tolist(), req_to_token.shape[0])
     return rows
 
 
-def check_kv_end(kv_end: torch.Tensor, width: int, what: str) -> None:
-    end = max(kv_end.tolist(), default=0)
+def _values(t: Ints) -> Sequence[int]:
+    return t.tolist() if isinstance(t, torch.Tensor) else t
+
+
+def _host_tensor(t: Ints) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64)
+
+
+def check_kv_end(kv_end: Ints, width: int, what: str) -> None:
+    """Every request's range ends within the table: ``kv_end`` ([bs] host tensor or ints) <= ``width``."""
+    end = max(_values(kv_end), default=0)
     if end > width:
         raise ValueError(f"{what} reach position {end}, beyond the req_to_token width {width} (max_context_len)")
 
@@ -142,26 +187,26 @@ def check_growth(name: str, value) -> float:
     return float(value)
 
 
-def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                num_slots: int) -> None:
+def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_slots: int) -> None:
     """Every entry a batch reads, positions ``[lo[i], hi[i])`` of row ``rows[i]``, must be a slot in
     ``[0, num_slots)``. Out-of-range indices would otherwise wrap (a -1 reads the last slot) or fault the device.
 
-    rows, lo, hi: [bs] int64 on the host. Reads the used part of the table: a host sync when it lives on CUDA
-    (``plan_*(check_slots=False)`` skips it)."""
-    if rows.numel() == 0 or int(hi.max()) <= 0:
+    rows, lo, hi: [bs] int64 on the host, or lists of ints. Reads the used part of the table: a host sync when it
+    lives on CUDA (``plan_*(check_slots=False)`` skips it)."""
+    width = max(_values(hi), default=0)
+    if len(rows) == 0 or width <= 0:
         return
-    width = int(hi.max())
     # the common case first, in two ops (the table's least and greatest entry read, or stale but in the rows read)
     table = None  # [bs, width], the rows read (a batch of one reads only its range, a view)
-    if rows.numel() == 1:
+    if len(rows) == 1:
         first = req_to_token[int(rows[0]), int(lo[0]):width]
     else:
-        first = table = req_to_token[rows.to(req_to_token.device), :width]
+        first = table = req_to_token[_host_tensor(rows).to(req_to_token.device), :width]
     if first.numel():
-        low, high = (int(x) for x in torch.aminmax(first))
-        if low >= 0 and high < num_slots:
+        low, high = torch.aminmax(first)
+        if low.item() >= 0 and high.item() < num_slots:
             return
+    rows, lo, hi = (_host_tensor(t) for t in (rows, lo, hi))
     if table is None:
         table = req_to_token[rows.to(req_to_token.device), :width]
     used = table.cpu()  # [bs, width]
@@ -175,15 +220,20 @@ def check_slots(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor
                          f"entries")
 
 
-def check_page_layout(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                      page_size: int) -> None:
+def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, page_size: int) -> None:
     """A paged table: positions ``[lo[i], hi[i])`` of row ``rows[i]`` sit in pages of ``page_size`` consecutive
     slots starting at a multiple of ``page_size``, position ``p`` at offset ``p % page_size`` of its page (SGLang's
     paged allocator). The page gathers read whole runs of slots, so a table that breaks this would read other
-    requests' keys. rows, lo, hi: [bs] int64 on the host; a host read of the used table rows, as ``check_slots``."""
-    if page_size == 1 or rows.numel() == 0 or int(hi.max()) <= 0:
+    requests' keys. rows, lo, hi: [bs] int64 on the host, or lists of ints; a host read of the used table rows, as
+    ``check_slots``."""
+    if page_size == 1:
         return
-    width = int(hi.max())
+    width = max(_values(hi), default=0)
+    if len(rows) == 0 or width <= 0:
+        return
+    if len(rows) == 1 and _one_row_keeps_pages(req_to_token, int(rows[0]), int(lo[0]), width, page_size):
+        return
+    rows, lo, hi = (_host_tensor(t) for t in (rows, lo, hi))
     used = req_to_token[rows.to(req_to_token.device), :width].cpu().to(torch.int64)  # [bs, width]
     pos = torch.arange(width)
     read = (pos >= lo[:, None]) & (pos < hi[:, None])
@@ -197,6 +247,18 @@ def check_page_layout(req_to_token: torch.Tensor, rows: torch.Tensor, lo: torch.
         raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} breaks the page layout of "
                          f"page_size={page_size}: position {j} must be slot page_start + {j % page_size} of a page "
                          f"of {page_size} consecutive slots starting at a multiple of {page_size}")
+
+
+def _one_row_keeps_pages(req_to_token: torch.Tensor, row: int, lo: int, hi: int, page_size: int) -> bool:
+    """``check_page_layout`` of one row's positions ``[lo, hi)`` (all read: no masks), in a few ops: ``d = slot -
+    position`` is a multiple of ``page_size`` (each slot at its offset in a page) and changes only where a page starts
+    (the next position of a page is the next slot). False: the general check finds the entry to name."""
+    if hi - lo < 1:
+        return True
+    d = req_to_token[row, lo:hi].cpu().to(torch.int64) - torch.arange(lo, hi)
+    step = d.diff()  # step[i]: position lo + i + 1
+    step[(-lo - 1) % page_size::page_size] = 0  # positions that start a page may jump
+    return not (bool(d.remainder(page_size).any()) or bool(step.any()))
 
 
 def check_sinks(sinks, num_heads: int) -> None:

@@ -11,19 +11,12 @@ request: the queries are grouped ``[Hkv, k * group, D]`` against one K block (GQ
 rows). The ``k`` draft keys form one extra tiny "draft block" per request, masked by the chain/tree, and the
 prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
 
-The forms are decode's, chosen by ``forms.choose_form``. On CPU with at most ``FUSED_MAX_ROWS`` query rows per
-KV head (k = 2 at llama's 4 query heads per KV head; ``NATIVE_MAX_ROWS`` through the C++ kernel, any number its tile
-or wide path serves), the used prefix blocks read K/V in place: by the C++ kernel (``native_decode``: the draft
-block too, both merged in the one call; MLA's latent included) eagerly and compiled, or by the traced form under
-``torch.compile`` (one head size, V a cache of its own, a float32 or float8 cache: on bf16/fp16 its loops lost to
-the flash op). Else, on CPU eagerly (one head size, no soft-cap) ``verify_flash.verify_flash`` reads each
-request's prefix in L2-sized chunks through ATen's CPU flash kernel with the request's queries as they are (no
-per-block copies of them, no mask, a running log-sum-exp): with more rows its GEMMs win. Elsewhere (CUDA, and
-without the kernel MLA's 576/512 and soft-capped models) a matmul form over the blocks. Outside the kernel the
-draft block is a small matmul (``k`` keys).
+The forms are decode's, chosen by ``forms.choose_form``: on CPU the C++ kernel reads the prefix blocks in place
+and computes the draft block too, both merged in the one call (MLA's latent included); on CUDA the Triton kernel
+(prefix and draft keys, each request's blocks up to its length); elsewhere, or where no kernel serves the call, a
+matmul form over the blocks and the draft block as a small matmul (``k`` keys).
 Everything after ``plan_verify`` (``verify_plan``: the host's checks and padding) is tensor code with static shapes
-per (batch capacity, ``k``, block capacity): no ``.item()``; the CPU forms' ops read their indices on the host (CPU
-tensors, never a device sync).
+per (batch capacity, ``k``, block capacity): no ``.item()``, no host sync.
 
 Sliding-window layers: each draft token's window starts at its own position, so the prefix blocks cover only what
 every token sees and the few keys below them join the draft block under a per-row mask (``build_verify_index``).
@@ -37,32 +30,29 @@ from dataclasses import dataclass
 import torch
 
 from . import validate
-from .api import _scale, v_is_prefix_of_k
+from .api import softmax_scale, v_is_prefix_of_k
 from .decode import (
     DecodeIndex,
     SlotMap,
     build_decode_index,
-    gather_unit,
+    masked_softmax_parts,
+    matmul_partials,
     merge_blocks,
     sinks_by_kv_head,
     translate_slots,
 )
-from .decode_fused import gather_heads_float, used_block_partials
-from .forms import FUSED_MAX_ROWS, NATIVE_MAX_ROWS, choose_form, explain
+from .forms import choose_form, explain
 from .kernels.triton_form import triton_verify_blocks
+from .kv_blocks import gather_unit
 from .kv_dtype import dequantize, gather_rows, scale_pair
 from .metadata import DecodeInputs
 from .native_decode import bf16_query_scale, native_decode_blocks
-from .verify_flash import prefix_flash
 from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
 from .verify_plan import VerifyInputs, VerifyMetadata, plan_verify, verify_block_size, window_start
 
-__all__ = ["FUSED_MAX_ROWS", "NATIVE_MAX_ROWS", "VerifyIndex", "VerifyInputs", "VerifyMetadata",
+__all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata",
            "build_verify_index", "chain_mask", "draft_mask_from_custom", "full_mask_numel", "plan_verify",
            "verify_attention", "verify_block_size", "verify_blocks", "window_start"]
-
-_LOWEST = torch.finfo(torch.float32).min
-
 
 @dataclass
 class VerifyIndex:
@@ -144,23 +134,15 @@ def verify_blocks(
     logit_cap: float | None = None,
     *,
     v_shares_k: bool = False,
-    cpu_flash: bool | None = None,
-    fused: bool | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
     sinks: torch.Tensor | None = None,
-    native: bool | None = None,
-    form: str | None = None,
+    form: str | None = "auto",
 ) -> torch.Tensor:
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
-    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, ``cpu_flash``, scales, sinks
-    ([Hq] attention-sink logits): as ``decode.decode_blocks``. fused: the prefix blocks read K/V in place
-    (``decode_fused``, as the CPU decode); None picks it on a CPU where the C++ kernel fits (``native``: as
-    ``decode.decode_blocks``, MLA's latent too) or while compiling for one head size and V a cache of its own, with
-    at most ``FUSED_MAX_ROWS`` query rows per KV head (``NATIVE_MAX_ROWS`` through the kernel, any number its tile
-    or wide path serves; the vector forms' work grows with the rows, the flash kernel's GEMMs do not). form: as
-    ``decode.decode_blocks``' (CUDA's choice: the Triton kernel).
+    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, scales, sinks ([Hq]
+    attention-sink logits) and ``form``: as ``decode.decode_blocks``'.
     Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
@@ -171,8 +153,7 @@ def verify_blocks(
     if bs == 0:
         return q.new_zeros(0, hq, dv)
     rows = k * hq // hkv
-    choice = choose_form("verify", q, k_cache, v_cache, rows_per_kv_head=rows, v_shares_k=v_shares_k,
-                         logit_cap=logit_cap, form=form, fused=fused, cpu_flash=cpu_flash, native=native)
+    choice = choose_form("verify", q, k_cache, v_cache, rows_per_kv_head=rows, form=form)
     explain("verify_blocks", choice, q, k_cache, v_cache, rows)
     if choice.form == "triton":  # prefix and draft keys in one kernel, each request's blocks up to its length
         return triton_verify_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
@@ -188,70 +169,11 @@ def verify_blocks(
                                     index.draft_slots, index.draft_mask, k, path=choice.path)
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])
     dm, dl, do = _draft_block(qg, k_cache, v_cache, index, scale, logit_cap, v_shares_k, k_scale, v_scale)
-    if choice.form == "flash":
-        o, lse = prefix_flash(qg, k_cache, v_cache, index.prefix, scale, k_scale, v_scale)
-        out = _merge_two(o, lse, do, dm, dl, row_sinks)
-    else:
-        if choice.form == "traced":
-            block_req, m, lsum, o = used_block_partials(qg.reshape(bs, -1, qg.shape[3]), index.prefix, hkv, scale,
-                                                        k_cache, v_cache, logit_cap, k_scale, v_scale)
-        else:
-            block_req = index.prefix.block_req
-            m, lsum, o = _prefix_matmul(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale,
-                                        v_scale)
-        rows = torch.arange(bs, device=q.device)
-        out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
-                           torch.cat([block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
+    m, lsum, o = matmul_partials(qg, k_cache, v_cache, index.prefix, scale, logit_cap, v_shares_k, k_scale, v_scale)
+    rows = torch.arange(bs, device=q.device)
+    out = merge_blocks(torch.cat([m, dm]), torch.cat([lsum, dl]), torch.cat([o, do]),
+                       torch.cat([index.prefix.block_req, rows]), bs, row_sinks)  # [bs, Hkv, k*group, Dv]
     return out.view(bs, hkv, k, hq // hkv, dv).transpose(1, 2).reshape(bs * k, hq, dv).to(q.dtype)
-
-
-def _merge_two(o, lse, do, dm, dl, sinks=None):
-    """A normalised prefix part (o, its log-sum-exp) and the unnormalised draft part (do, max dm, sum dl) ->
-    the softmax over both, [bs, Hkv, rows, Dv] float32: elementwise, so inductor fuses it (``merge_blocks``'
-    scatter over two "blocks" per request cost more than the kernel at bs 1). No key at all gives zeros.
-    sinks: [Hkv, rows] logits joining each row's denominator, or None."""
-    m = torch.maximum(lse, dm)
-    if sinks is not None:
-        m = torch.maximum(m, sinks)
-    wp, wd = torch.exp(lse - m), torch.exp(dm - m)
-    den = wp + dl * wd
-    if sinks is not None:
-        den = den + torch.exp(sinks - m)
-    den = den.clamp_min(torch.finfo(torch.float32).tiny)
-    return (o * wp[..., None] + do * wd[..., None]) / den[..., None]
-
-
-def _prefix_matmul(qg, k_cache, v_cache, index: DecodeIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
-    """Prefix blocks as batched matmuls, one KV head at a time (as ``decode_blocks``' portable form)
-    -> (m, lsum [nblk, Hkv, k * group], o [nblk, Hkv, k * group, Dv] unnormalised)."""
-    bs, hkv, _, dqk = qg.shape
-    dv = v_cache.shape[2]
-    nblk, block_size = index.slots.shape
-    flat = index.slots.reshape(-1)
-    qb = qg.index_select(0, index.block_req.clamp_max(bs - 1)).float() * scale  # [nblk, Hkv, k * group, D]
-    valid = index.valid[:, None, :]
-    ms, ls, os_ = [], [], []
-    for h in range(hkv):
-        kb = dequantize(gather_rows(k_cache[:, h], flat), torch.float32, k_scale).view(nblk, block_size, dqk)
-        if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):  # MLA's latent cache: V is K's first columns
-            vb = kb[..., :dv]
-        else:
-            vb = dequantize(gather_rows(v_cache[:, h], flat), torch.float32, v_scale).view(nblk, block_size, dv)
-        s = torch.bmm(qb[:, h], kb.transpose(1, 2))  # [nblk, k * group, block_size]
-        m, p = _masked_softmax_parts(s, valid, logit_cap)
-        ms.append(m)
-        ls.append(p.sum(-1))
-        os_.append(torch.bmm(p, vb))
-    return torch.stack(ms, 1), torch.stack(ls, 1), torch.stack(os_, 1)
-
-
-def _masked_softmax_parts(s, valid, logit_cap):
-    """Scores -> (row max, exp weights); select, never multiply, so a masked key never reaches the sums."""
-    if logit_cap is not None:
-        s = logit_cap * torch.tanh(s / logit_cap)
-    s = s.masked_fill(~valid, _LOWEST)
-    m = s.amax(-1)
-    return m, torch.where(valid, torch.exp(s - m[..., None]), 0.0)
 
 
 def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
@@ -262,9 +184,7 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
     k, nk, dv = index.draft_mask.shape[1], index.draft_mask.shape[2], v_cache.shape[2]
     slots = index.draft_slots
 
-    def gather(cache, d):  # -> [bs, Hkv, nk, d]; on CPU through ATen's row copy (``gather_heads_float`` says why)
-        if cache.device.type == "cpu":
-            return gather_heads_float(cache, slots)
+    def gather(cache, d):  # -> [bs, Hkv, nk, d]
         return gather_rows(cache, slots.reshape(-1)).view(bs, nk, hkv, d).transpose(1, 2)
 
     kd = dequantize(gather(k_cache, dqk), torch.float32, k_scale)
@@ -275,14 +195,13 @@ def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_s
     s = torch.matmul(qg.float() * scale, kd.transpose(-1, -2))  # [bs, Hkv, k * group, nk]
     # query row (i, g) of the grouped layout takes mask row i
     mask = index.draft_mask[:, None, :, None, :].expand(bs, 1, k, rows // k, nk).reshape(bs, 1, rows, nk)
-    m, p = _masked_softmax_parts(s, mask, logit_cap)
+    m, p = masked_softmax_parts(s, mask, logit_cap)
     return m, p.sum(-1), torch.matmul(p, vd)
 
 
 def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
                      *, mask_layout="draft", scale=None, logit_cap=None, page_size=1, block_size=None,
-                     k_scale=None, v_scale=None, cpu_flash=None, fused=None, sinks=None,
-                     sliding_window=None, native=None, form=None) -> torch.Tensor:
+                     k_scale=None, v_scale=None, sinks=None, sliding_window=None, form="auto") -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
     q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
@@ -296,6 +215,6 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
                        mask_layout=mask_layout, block_size=block_size, page_size=page_size,
                        sliding_window=sliding_window)
     index = build_verify_index(req_to_token, meta.inputs, page_size, sliding_window=sliding_window)
-    return verify_blocks(q, k_cache, v_cache, index, _scale(scale, q.shape[2]), logit_cap,
-                         v_shares_k=v_is_prefix_of_k(k_cache, v_cache), cpu_flash=cpu_flash, fused=fused,
-                         k_scale=k_scale, v_scale=v_scale, sinks=sinks, native=native, form=form)
+    return verify_blocks(q, k_cache, v_cache, index, softmax_scale(scale, q.shape[2]), logit_cap,
+                         v_shares_k=v_is_prefix_of_k(k_cache, v_cache), k_scale=k_scale, v_scale=v_scale,
+                         sinks=sinks, form=form)

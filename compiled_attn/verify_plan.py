@@ -11,10 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import cdiv
-
 from . import validate
-from .decode import aligned_kv_lo, gather_unit, total_blocks_needed
+from .kv_blocks import aligned_kv_lo, cdiv, gather_unit, total_blocks_needed
 from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
 from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom
 

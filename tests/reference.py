@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import torch
 
-#: the forms of ``decode.decode_blocks`` and ``verify.verify_blocks`` as keyword arguments: ATen's CPU flash kernel,
-#: the matmul form (CUDA's), and the fused in-place reads, by the C++ kernel where it fits (``native_decode``) and
-#: as the traced code of compiled CPU steps without it (called eagerly here, its twin)
-DECODE_FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True},
-                "traced": {"fused": True, "native": False}}
+#: the forms of ``decode.decode_blocks`` and ``verify.verify_blocks`` as keyword arguments: the choice (the C++
+#: kernel where it is built) and the portable matmul form (any device, a CPU without the kernel)
+DECODE_FORMS = {"auto": {}, "matmul": {"form": "matmul"}}
 
 
 def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefix_lens, ext_lens, *, scale=None,
@@ -68,13 +66,9 @@ def spy_calls(monkeypatch, owner, name: str) -> list:
 
 
 def in_place_op():
-    """The op a compiled CPU decode's (and verify's) graph calls to read K/V in place: the C++ kernel's where it
-    is built (``native_decode_blocks``: the whole decode, or verify's prefix and draft block), else the traced
-    form's stored block table."""
-    from compiled_attn.native_decode import native_available
-
-    name = "native_decode_blocks" if native_available() else "index_columns"
-    return getattr(torch.ops.compiled_attn, name).default
+    """The op a compiled CPU decode's (and verify's) graph calls to read K/V in place where the C++ kernel is built
+    (``native_decode_blocks``: the whole decode, or verify's prefix and draft block)."""
+    return torch.ops.compiled_attn.native_decode_blocks.default
 
 
 def scaled_queries(q, num_kv_heads, scale):

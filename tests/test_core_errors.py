@@ -77,7 +77,7 @@ def test_an_index_of_another_batch_is_refused():
     b = make_batch([5, 70, 33], hq=8, hkv=2, dqk=32, decode=True, seed=0)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     index = build_decode_index(b.req_to_token, meta.inputs)
-    for form in (None, "flash", "matmul", "traced"):
+    for form in (None, "auto", "matmul"):
         with pytest.raises(ValueError, match="q has 2 rows, but the index was built for a batch of 3"):
             decode_blocks(b.q[:2], b.k_cache, b.v_cache, index, 0.1, form=form)
     prefix = torch.tensor([5, 9])

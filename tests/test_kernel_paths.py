@@ -183,7 +183,8 @@ AMX_BITS = LEVEL_BITS["amx"] | ISA_TILES_USABLE
 
 def test_choice_with_each_kind_of_build(build_with):
     """The forms and paths of ``forms``' docstring, for builds this machine may not have: the kernel wherever it
-    serves the call, its path by the rows and the build's instructions; verify's row limits; MLA's latent."""
+    serves the call, its path by the rows and the build's instructions, MLA's latent; without a build, the matmul
+    form."""
     def choose(site, call, rows, **kw):
         c = choose_form(site, *call, rows_per_kv_head=rows, **kw)
         return c.form, c.path
@@ -194,41 +195,37 @@ def test_choice_with_each_kind_of_build(build_with):
     assert choose("verify", bf16_gqa, 32) == ("kernel", "tile")
     assert choose("decode", f32_gqa, 8) == ("kernel", "vector")
     assert choose("verify", f32_gqa, 32) == ("kernel", "wide")
-    assert choose("decode", _call(16, 1, 576, 512, dtype=torch.bfloat16), 16, v_shares_k=True) == ("kernel", "tile")
+    assert choose("decode", _call(16, 1, 576, 512, dtype=torch.bfloat16), 16) == ("kernel", "tile")
     build_with(LEVEL_BITS["avx512_bf16"])
     assert choose("decode", bf16_gqa, 8) == ("kernel", "vector_bf16")
     assert choose("decode", bf16_gqa, 16) == ("kernel", "wide")
-    assert choose("verify", bf16_gqa, 20) == ("flash", "")  # over NATIVE_MAX_ROWS on a vector path
+    assert choose("verify", bf16_gqa, 20) == ("kernel", "vector_bf16")
     assert choose("decode", _call(8, 2, 80, dtype=torch.bfloat16), 4) == ("kernel", "vector")  # no compiled-in 80
     build_with(LEVEL_BITS["avx2"])
     assert choose("decode", bf16_gqa, 8) == ("kernel", "vector")
     c = choose_form("decode", *bf16_gqa, rows_per_kv_head=8)
     assert "no AVX512-BF16 in this build" in c.reason
     build_with(None)
-    assert choose("decode", f32_gqa, 8) == ("flash", "")
-    assert choose("decode", f32_gqa, 8, compiling=True) == ("traced", "")
-    assert choose("decode", f32_gqa, 8, logit_cap=30.0) == ("matmul", "")
-    assert choose("verify", f32_gqa, 16, compiling=True) == ("flash", "")  # over FUSED_MAX_ROWS
-    assert choose("verify", bf16_gqa, 4, compiling=True) == ("flash", "")  # traced loops lose on half precision
-    mla = _call(16, 1, 576, 512)
-    assert choose("decode", mla, 16, v_shares_k=True, compiling=True) == ("matmul", "")
+    assert choose("decode", f32_gqa, 8) == ("matmul", "")
+    assert choose("verify", bf16_gqa, 16) == ("matmul", "")
+    assert choose("decode", _call(16, 1, 576, 512), 16) == ("matmul", "")
     assert "not built" in choose_form("decode", *f32_gqa, rows_per_kv_head=8).reason
 
 
-def test_overrides_and_other_devices(build_with):
-    """The overrides the dispatchers take, and a device that is not a CPU (the matmul form)."""
+def test_named_forms_and_other_devices(build_with):
+    """A named form runs as named, or is a ValueError naming ``form`` and why not; a device that is not a CPU (nor
+    CUDA) takes the matmul form."""
     build_with(AMX_BITS)
     call = _call(8, 2, 64)
-    assert choose_form("decode", *call, rows_per_kv_head=4, native=False).form == "flash"
-    assert choose_form("decode", *call, rows_per_kv_head=4, native=False, fused=True).form == "traced"
-    assert choose_form("decode", *call, rows_per_kv_head=4, cpu_flash=False).form == "matmul"
-    assert choose_form("decode", *call, rows_per_kv_head=4, cpu_flash=True).form == "flash"
-    with pytest.raises(ValueError, match="fused=True and cpu_flash=True"):
-        choose_form("decode", *call, rows_per_kv_head=4, fused=True, cpu_flash=True)
-    with pytest.raises(ValueError, match="cpu_flash=True needs a CPU q, Dqk == Dv and logit_cap=None"):
-        choose_form("decode", *call, rows_per_kv_head=4, cpu_flash=True, logit_cap=5.0)
+    assert choose_form("decode", *call, rows_per_kv_head=4, form="matmul").form == "matmul"
+    assert choose_form("decode", *call, rows_per_kv_head=4, form="kernel").form == "kernel"
+    assert choose_form("decode", *call, rows_per_kv_head=4, form=None).form == "kernel"
+    with pytest.raises(ValueError, match="form must be one of"):
+        choose_form("decode", *call, rows_per_kv_head=4, form="flash")
     meta = choose_form("decode", *_call(8, 2, 64, device="meta"), rows_per_kv_head=4)
-    assert (meta.form, meta.path) == ("matmul", "") and "a meta device" in meta.reason
+    assert (meta.form, meta.path) == ("matmul", "") and "not a CPU call (meta)" in meta.reason
+    with pytest.raises(ValueError, match="form='kernel': the C\\+\\+ kernel cannot serve this call"):
+        choose_form("decode", *_call(8, 2, 64, device="meta"), rows_per_kv_head=4, form="kernel")
 
 
 def test_explain_logs_each_choice_once(monkeypatch, caplog):
@@ -245,14 +242,14 @@ def test_explain_logs_each_choice_once(monkeypatch, caplog):
         monkeypatch.setenv(forms.EXPLAIN_ENV, "1")
         for _ in range(2):
             decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
-        decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, cpu_flash=False)
+        decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, form="matmul")
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 2, lines
         choice = choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4)
         assert lines[0].startswith("compiled_attn: decode_blocks (eager, cpu) q [*, 8, 32] float32, kv [*, 2, "
                                    "32/32] float32, 4 rows per KV head -> form ")
         assert lines[0].endswith(f"{choice.form}{' path ' + choice.path if choice.path else ''}: {choice.reason}")
-        assert "form matmul" in lines[1] and "cpu_flash=False" in lines[1]
+        assert "form matmul" in lines[1] and "form='matmul' given" in lines[1]
         torch._dynamo.reset()
         step = torch.compile(lambda q, kc, vc: decode_blocks(q, kc, vc, index, 0.3), fullgraph=True, dynamic=True,
                              backend="eager")

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from compiled_attn import decode_attention
 from compiled_attn.bench.batches import make_batch
-from compiled_attn.block_flash import block_attention
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.kv_dtype import FP8_DTYPES, compute_dtype
 from compiled_attn.plan import plan_decode
@@ -108,42 +107,35 @@ def test_fp8_cache_with_scales(kv_dtype, q_dtype, page_size):
     tol = 1e-4 if q_dtype == torch.float32 else 2e-2
     ref = _reference(b, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(out.double(), ref, atol=tol * vs, rtol=tol)
-    # the fused form dequantises in its loads, and computes in float32 whatever the query's dtype
+    # the matmul form dequantises in its gather, and computes in float32 whatever the query's dtype
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, page_size=page_size)
-    fused = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size),
-                          32 ** -0.5, fused=True, k_scale=ks, v_scale=vs)
-    assert fused.dtype == q_dtype
-    torch.testing.assert_close(fused.double(), ref, atol=tol * vs, rtol=tol)
+    portable = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs, page_size),
+                             32 ** -0.5, form="matmul", k_scale=ks, v_scale=vs)
+    assert portable.dtype == q_dtype
+    torch.testing.assert_close(portable.double(), ref, atol=tol * vs, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
-@pytest.mark.parametrize("fused", [False, True])
-def test_fp8_and_half_cache_matmul_and_fused_forms(kv_dtype, fused):
-    """The matmul form (soft-capped models, MLA, CUDA) dequantises in its gather too, and the fused form in its
-    loads; both with a soft-cap."""
+@pytest.mark.parametrize("form", DECODE_FORMS)
+def test_fp8_and_half_cache_with_a_soft_cap(kv_dtype, form):
+    """The matmul form dequantises in its gather, the kernel in its loads; both with a soft-cap."""
     b = make_batch([40, 129], hq=4, hkv=2, dqk=16, decode=True, kv_dtype=kv_dtype)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 0.25, 30.0,
-                        k_scale=0.5, v_scale=None, fused=fused)
+                        k_scale=0.5, v_scale=None, **DECODE_FORMS[form])
     ref = _reference(b, k_scale=0.5, scale=0.25, logit_cap=30.0)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_cache_reaches_the_kernel_in_its_dtype(dtype):
-    """A bf16/fp16 query over a cache of its dtype: the flash kernel gets half-precision tiles (no float32 copy)
-    and still matches the float64 reference within half-precision tolerance; a float32 query over a bf16 cache
-    computes in float32."""
+    """A bf16/fp16 query over a cache of its dtype matches the float64 reference within half-precision tolerance;
+    a float32 query over a bf16 cache computes in float32."""
     assert compute_dtype(dtype, dtype) == dtype
     assert compute_dtype(dtype, torch.float8_e4m3fn) == dtype
     assert compute_dtype(torch.float32, dtype) == torch.float32
     assert compute_dtype(dtype, torch.float32) == torch.float32
     b = make_batch([100, 300], hq=8, hkv=2, dqk=64, decode=True, dtype=dtype)
-    meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
-    index = build_decode_index(b.req_to_token, meta.inputs)
-    qb = b.q.index_select(0, index.block_req.clamp_max(1)).view(-1, 2, 4, 64)
-    o, lse = block_attention(qb, b.k_cache, b.v_cache, index.slots, index.valid, 0.125, 4)
-    assert o.dtype == dtype and lse.dtype == torch.float32
     out = decode_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     torch.testing.assert_close(out.double(), _reference(b), atol=2e-2, rtol=2e-2)
     b32 = make_batch([100, 300], hq=8, hkv=2, dqk=64, decode=True, kv_dtype=dtype)  # float32 q, half cache

@@ -1,6 +1,8 @@
-"""The layout's promises: imports flow one way, the package never imports tests/, and the SGLang plugin (loaded
-by SGLang in every process) imports nothing heavy."""
+"""The layout's promises: imports flow one way, the package never imports tests/, the SGLang integration uses only
+the library's public names, planning imports no run code, and the SGLang plugin (loaded by SGLang in every process)
+imports nothing heavy."""
 import ast
+import importlib
 import pathlib
 import subprocess
 import sys
@@ -39,6 +41,67 @@ def test_imports_flow_one_way():
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     for path in (ROOT / "compiled_attn").glob("*.py"):
         bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n.startswith(CORE_FORBIDDEN)]
+    assert not bad, "\n".join(bad)
+
+
+def _from_imports(path: pathlib.Path) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, names) of each ``from ... import`` in ``path``, and (line, module, []) of each plain
+    ``import`` (relative imports resolved against its package)."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            found.append((node.lineno, module, [a.name for a in node.names]))
+    return found
+
+
+def _public_names(module: str) -> set[str]:
+    """A core module's public names: its ``__all__``, and what the package exports from it (``compiled_attn``'s
+    ``_EXPORTS``: modules the package re-exports by name)."""
+    import compiled_attn
+
+    if module == "compiled_attn":
+        return set(compiled_attn.__all__)
+    short = module.removeprefix("compiled_attn.")
+    return set(getattr(importlib.import_module(module), "__all__", ())) | set(compiled_attn._EXPORTS.get(short, ()))
+
+
+def test_sglang_integration_imports_only_public_names():
+    """``compiled_attn/sglang/`` imports from the core (``compiled_attn`` and its modules) only names those modules
+    list as public, never a module itself (whose every name would then be reachable)."""
+    bad = []
+    for path in (ROOT / "compiled_attn" / "sglang").rglob("*.py"):
+        for line, module, names in _from_imports(path):
+            core = module == "compiled_attn" or module.startswith("compiled_attn.") and not module.startswith(
+                ("compiled_attn.sglang", "compiled_attn.bench"))
+            if not core:
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if not names:
+                bad.append(f"{where} imports the module {module}; import its public names")
+            public = _public_names(module)
+            bad += [f"{where} imports {module}.{n}, not a public name there" for n in names if n not in public]
+    assert not bad, "\n".join(bad)
+
+
+#: the planning side: host checks and metadata, and the block arithmetic it shares with the run code
+PLANNING = ("plan", "verify_plan", "kv_blocks", "validate", "metadata", "kv_dtype", "verify_masks")
+
+
+def test_planning_imports_no_run_code():
+    """``plan`` (and the planning modules it builds on) import nothing from the run side (``decode``, ``verify``,
+    ``extend``, the kernels): what both sides use lives on the planning side."""
+    bad = []
+    for name in PLANNING:
+        path = ROOT / "compiled_attn" / f"{name}.py"
+        for line, module, names in _from_imports(path):
+            targets = [f"{module}.{n}" for n in names] if module == "compiled_attn" else [module]
+            bad += [f"compiled_attn/{name}.py:{line} imports {t}" for t in targets
+                    if t.startswith("compiled_attn.") and t.split(".")[1] not in PLANNING]
     assert not bad, "\n".join(bad)
 
 

@@ -2,7 +2,7 @@
 out here, over random paged tables, every cache dtype, head sizes with and without a compiled-in size, group
 sizes that are and are not multiples of 4, a soft-cap, and NaN in every slot it must not read; the builds for
 other instruction sets (the portable half-precision path); the off switch and a failed build falling back to the
-traced form."""
+portable matmul form."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +14,10 @@ import torch
 from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
-from compiled_attn.decode_fused import scaled_queries
 from compiled_attn.forms import choose_form
 from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks, native_fits
 from compiled_attn.plan import plan_decode
-from tests.reference import reference_attention
+from tests.reference import reference_attention, scaled_queries
 from tests.test_kv_formats import poison_unread
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
@@ -89,7 +88,7 @@ def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, bloc
 
 
 def test_empty_block_and_no_blocks():
-    """A block with no valid key gives the lowest float32, 0 and zeros (the traced form's convention); zero blocks
+    """A block with no valid key gives the lowest float32, 0 and zeros (the matmul form's convention); zero blocks
     give empty outputs."""
     b, index = _batch([40, 3], hq=4, hkv=2, d=64, page_size=1, block_size=16)
     qs = scaled_queries(b.q, 2, 0.125)
@@ -164,22 +163,22 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
 
 
 def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
-    """Eagerly on CPU a batch of more than one takes the fused form through the kernel by default (``native=False``
-    gives the flash op); both equal the float64 reference."""
+    """Eagerly on CPU a batch of more than one takes the kernel by default (``form="matmul"`` gives the portable
+    form); both equal the float64 reference."""
     b, index = _batch([5, 70, 130], hq=8, hkv=2, d=32, page_size=1, block_size=16)
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.3)
     assert choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4).form == "kernel"
-    assert choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4, native=False).form == "flash"
+    assert choose_form("decode", b.q, b.k_cache, b.v_cache, rows_per_kv_head=4, form="matmul").form == "matmul"
     out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
-    off = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, native=False)
+    off = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3, form="matmul")
     for o in (out, off):
         torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
     """``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a build that cannot run (no such compiler) warns once and
-    turns it off too; either way the decode stays correct (the traced form compiled, the flash op eagerly)."""
+    turns it off too; either way the decode stays correct (the portable matmul form)."""
     b, index = _batch([5, 70], hq=4, hkv=2, d=32, page_size=1, block_size=16)
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.3)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_attn.decode_fused import scaled_queries
 from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks
+from tests.reference import scaled_queries
 from tests.test_native_decode import _batch
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")

@@ -15,17 +15,17 @@ from compiled_attn.kv_pool import write_kv
 from compiled_attn.plan import plan_decode, plan_extend
 
 
-def _decode_fn(q, k_cache, v_cache, table, inputs, scale, cpu_flash):
-    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale, cpu_flash=cpu_flash)
+def _decode_fn(q, k_cache, v_cache, table, inputs, scale, form):
+    return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs), scale, form=form)
 
 
 _compiled_decode = compile_step(_decode_fn)
 
 
-def _decode(b, q, *, compiled=False, cpu_flash=None, scale=0.125):
+def _decode(b, q, *, compiled=False, form="auto", scale=0.125):
     meta = plan_decode(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     fn = _compiled_decode if compiled else _decode_fn
-    return fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, scale, cpu_flash)
+    return fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, scale, form)
 
 
 def _poison_unowned(b, lo, hi):
@@ -42,13 +42,13 @@ def _poison_unowned(b, lo, hi):
 # ---- 1. a query whose head dim is not contiguous ----
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("bs,cpu_flash", [(1, True), (1, False), (3, True), (3, False)])
-def test_strided_query_equals_contiguous(bs, cpu_flash, compiled):
+@pytest.mark.parametrize("bs,form", [(1, "auto"), (1, "matmul"), (3, "auto"), (3, "matmul")])
+def test_strided_query_equals_contiguous(bs, form, compiled):
     b = make_batch([70] * bs, hq=8, hkv=2, dqk=64, decode=True, seed=1)
     q = torch.randn(bs, 64, 8).transpose(1, 2)  # [bs, 8, 64], head dim strided: the reproducer
     assert q.stride(-1) != 1
-    out = _decode(b, q, compiled=compiled, cpu_flash=cpu_flash)
-    torch.testing.assert_close(out, _decode(b, q.contiguous(), cpu_flash=cpu_flash), atol=1e-5, rtol=1e-5)
+    out = _decode(b, q, compiled=compiled, form=form)
+    torch.testing.assert_close(out, _decode(b, q.contiguous(), form=form), atol=1e-5, rtol=1e-5)
 
 
 def test_strided_query_public_functions():
@@ -71,15 +71,15 @@ def _decode_batch(lens, seed=0):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("lens,cpu_flash", [([70], True), ([70], False), ([5, 70, 0, 130], True),
-                                             ([5, 70, 0, 130], False)])
+@pytest.mark.parametrize("lens,form", [([70], "auto"), ([70], "matmul"), ([5, 70, 0, 130], "auto"),
+                                       ([5, 70, 0, 130], "matmul")])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_decode_ignores_unowned_slots(lens, cpu_flash, compiled, poison):
+def test_decode_ignores_unowned_slots(lens, form, compiled, poison):
     b, q = _decode_batch(lens, seed=4)
-    clean = _decode(b, q, compiled=compiled, cpu_flash=cpu_flash)
+    clean = _decode(b, q, compiled=compiled, form=form)
     owned = _poison_unowned(b, torch.zeros(len(lens), dtype=torch.long), b.seq_lens)
     b.k_cache[~owned] = poison
-    out = _decode(b, q, compiled=compiled, cpu_flash=cpu_flash)
+    out = _decode(b, q, compiled=compiled, form=form)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, clean, atol=1e-6, rtol=1e-6)
 

@@ -12,11 +12,11 @@ from compiled_attn.plan import plan_decode, plan_extend
 
 EAGER = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 COMPILED = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FORMS = {"flash": True, "matmul": False}  # "single": bs=1 through the flash form's one-sequence path
+FORMS = {"auto": "auto", "matmul": "matmul", "single": "auto"}  # "single": bs=1, indexed on the host eagerly
 
 
-def _decode_step(q, k, v, table, inputs, cpu_flash):
-    return decode_blocks(q, k, v, build_decode_index(table, inputs), 0.3, cpu_flash=cpu_flash)
+def _decode_step(q, k, v, table, inputs, form):
+    return decode_blocks(q, k, v, build_decode_index(table, inputs), 0.3, form=form)
 
 
 def _extend_step(q, k, v, table, inputs, causal, window, cap, cpu_flash):
@@ -45,11 +45,10 @@ def _check_decode(lens, heads, window, form, seed, value, fn):
     q = torch.randn(len(lens), hq, 16, generator=torch.Generator().manual_seed(seed))
     meta = plan_decode(q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, sliding_window=window,
                        block_size=16, block_capacity=None if seed % 2 else 64)  # exact, or a bucket's spare blocks
-    cpu_flash = FORMS.get(form, True)
-    clean = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, cpu_flash)
+    clean = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, FORMS[form])
     n = len(lens)
     _poison(b, meta.inputs.req_rows[:n], meta.inputs.kv_lo[:n], meta.inputs.kv_hi[:n], value)
-    out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, cpu_flash)
+    out = fn(q, b.k_cache, b.v_cache, b.req_to_token, meta.inputs, FORMS[form])
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, clean, atol=1e-6, rtol=1e-6)
 
@@ -76,7 +75,7 @@ def _check_extend(reqs, heads, causal, window, cap, seed, value, fn):
 lens_st = st.lists(st.integers(0, 150), min_size=1, max_size=6)
 heads_st = st.sampled_from([(1, 1), (4, 2), (8, 1), (6, 3)])
 window_st = st.one_of(st.none(), st.integers(0, 40))
-form_st = st.sampled_from(["flash", "matmul", "single"])
+form_st = st.sampled_from(list(FORMS))
 value_st = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 reqs_st = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 30)), min_size=1, max_size=5)
 cap_st = st.one_of(st.none(), st.floats(0.5, 50.0))

@@ -1,7 +1,7 @@
 """The eager SGLang backend over slots handed out by SGLang's own allocator (``TokenToKVPoolAllocator``: a fresh
-pool's free list in order, so each request's keys are one run of consecutive slots): read in place (by the C++
-kernel, ``native_decode``, where it is built, a batch of one too; else as runs of slots through ``inplace_flash``),
-with ``torch_native``'s outputs. Skipped where SGLang isn't installed."""
+pool's free list in order, so each request's keys are one run of consecutive slots): read in place by the C++
+kernel (``native_decode``) where it is built, a batch of one too, with ``torch_native``'s outputs. Skipped where
+SGLang isn't installed."""
 import pytest
 import torch
 
@@ -13,7 +13,6 @@ pytest.importorskip("sglang")
 from reference import spy_calls  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang_compare import run_forward  # noqa: E402
-from test_inplace_flash import spy_key_runs  # noqa: E402
 
 import compiled_attn.decode as decode  # noqa: E402
 from compiled_attn.native_decode import native_available  # noqa: E402
@@ -22,7 +21,6 @@ from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
-    calls = spy_key_runs(monkeypatch)  # each forward whose keys were read as runs of slots
     native = spy_calls(monkeypatch, decode, "native_decode_blocks")
     g = H.GEOMETRIES["gqa"]
     outs = []
@@ -34,8 +32,7 @@ def test_sglang_allocator_slots_are_read_in_place(monkeypatch, dtype):
             batch = H.make_decode_batch(mr, lens, dtype=dtype)
             outs.append(run_forward(make(mr), batch, [H.make_layer(g)])[0])
     # the batch and the batch of one (by the kernel where it is built)
-    assert (len(native), len(calls)) == ((2, 0) if native_available() else (0, 2)), \
-        "the compiled_attn forwards did not read their keys in place"
+    assert len(native) == (2 if native_available() else 0), "the compiled_attn forwards did not run the kernel"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for ours, native in zip(outs[2:], outs[:2], strict=True):
         torch.testing.assert_close(ours, native, atol=tol, rtol=0)

@@ -363,7 +363,7 @@ def _window_pool_case(page_size: int, seed: int):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("form", ["kernel", "flash", "matmul", "triton"])
+@pytest.mark.parametrize("form", ["kernel", "matmul", "triton"])
 def test_every_form_reads_the_translated_index(form, page_size):
     """Decode and windowed verify (a tree) with a slot map, each form (the Triton kernels, CUDA's form, through
     Triton's interpreter: they read each request's range from the index's table, which holds the translated slots:

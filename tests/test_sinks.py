@@ -10,7 +10,7 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.extend import extend_tiled
 from compiled_attn.plan import plan_decode, plan_extend
-from tests.reference import reference_attention
+from tests.reference import DECODE_FORMS, reference_attention
 
 
 def _ref(b, **kw):
@@ -24,14 +24,14 @@ def _sinks(hq, seed=0):
 
 
 @pytest.mark.parametrize("lens", [[300], [5, 130, 64, 1], [4000]])
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_decode_sinks(lens, cpu_flash):
-    """bs 1 (one kernel call, sinks applied through its log-sum-exp), split blocks (sinks in the merge), matmul."""
+@pytest.mark.parametrize("form", DECODE_FORMS)
+def test_decode_sinks(lens, form):
+    """bs 1 (a host-built index) and split blocks, the sinks in the merge; the kernel and the matmul form."""
     b = make_batch(lens, hq=8, hkv=2, dqk=32, decode=True)
     sinks = _sinks(8)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens)
     out = decode_blocks(b.q, b.k_cache, b.v_cache, build_decode_index(b.req_to_token, meta.inputs), 32 ** -0.5,
-                        cpu_flash=cpu_flash, sinks=sinks)
+                        sinks=sinks, **DECODE_FORMS[form])
     ref = _ref(b, sinks=sinks)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ref, _ref(b), atol=1e-3)  # the sinks change the answer

@@ -31,15 +31,15 @@ def _cuda_call(hq, hkv, d, dv=None, dtype=torch.bfloat16, kv=None):
 
 
 def test_cuda_calls_take_the_triton_kernel(monkeypatch):
-    """CUDA: the Triton kernel for MHA/GQA, MLA's latent and float8 caches, by its reason; native=False, head sizes
-    it does not take, or no triton installed: the matmul form, saying why."""
+    """CUDA: the Triton kernel for MHA/GQA, MLA's latent and float8 caches, by its reason; form="matmul", head
+    sizes it does not take, or no triton installed: the matmul form, saying why."""
     for call, rows in ((_cuda_call(32, 8, 128), 4), (_cuda_call(16, 1, 576, 512), 16),
                        (_cuda_call(8, 2, 64, kv=torch.float8_e4m3fn), 4)):
-        c = choose_form("decode", *call, rows_per_kv_head=rows, v_shares_k=call[2].shape[-1] == 512)
+        c = choose_form("decode", *call, rows_per_kv_head=rows)
         assert (c.form, c.path) == ("triton", "") and "Triton kernel" in c.reason
         assert choose_form("verify", *call, rows_per_kv_head=rows * 4).form == "triton"
     call = _cuda_call(32, 8, 128)
-    assert choose_form("decode", *call, rows_per_kv_head=4, native=False).form == "matmul"
+    assert choose_form("decode", *call, rows_per_kv_head=4, form="matmul").form == "matmul"
     odd = choose_form("decode", *_cuda_call(8, 2, 40), rows_per_kv_head=4)
     assert odd.form == "matmul" and "head sizes not equal multiples of 16" in odd.reason
     monkeypatch.setattr(triton_form, "_triton_installed", lambda: False)
@@ -52,16 +52,11 @@ def test_cuda_calls_take_the_triton_kernel(monkeypatch):
 def test_form_errors():
     b = make_batch([5, 9], hq=4, hkv=2, dqk=16, decode=True)
     call = (b.q, b.k_cache, b.v_cache)
-    with pytest.raises(ValueError, match=r"form must be one of \('kernel', 'triton', 'traced', 'flash', 'matmul'\)"):
+    with pytest.raises(ValueError, match=r"form must be one of \('auto', 'kernel', 'triton', 'matmul'\)"):
         choose_form("decode", *call, rows_per_kv_head=2, form="fast")
-    with pytest.raises(ValueError, match="form='flash' names the form: pass it without fused="):
-        choose_form("decode", *call, rows_per_kv_head=2, form="flash", fused=True)
-    with pytest.raises(ValueError, match="form='flash' needs a CPU q, Dqk == Dv and logit_cap=None"):
-        choose_form("decode", *call, rows_per_kv_head=2, form="flash", logit_cap=5.0)
-    with pytest.raises(ValueError, match="form='kernel': the C\\+\\+ kernel cannot serve this call"):
+    with pytest.raises(ValueError, match=r"form='kernel': the C\+\+ kernel cannot serve this call \(not a CPU call"):
         choose_form("decode", *_cuda_call(8, 2, 64), rows_per_kv_head=4, form="kernel")
-    for form in ("traced", "matmul"):
-        assert choose_form("decode", *call, rows_per_kv_head=2, form=form).form == form
+    assert choose_form("decode", *call, rows_per_kv_head=2, form="matmul").form == "matmul"
 
 
 @pytest.mark.parametrize("case", ["gqa_bf16_pages", "mla_fp8", "window_sinks_cap"])

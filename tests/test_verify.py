@@ -14,8 +14,6 @@ from compiled_attn.compile_policy import compile_step
 from compiled_attn.forms import choose_form
 from compiled_attn.native_decode import native_available
 from compiled_attn.verify import (
-    FUSED_MAX_ROWS,
-    NATIVE_MAX_ROWS,
     build_verify_index,
     chain_mask,
     draft_mask_from_custom,
@@ -86,40 +84,22 @@ def test_matches_reference(prefix, tree, form):
     assert (out.double() - ref).abs().max() < 1e-5
 
 
-def test_prefix_read_in_several_chunks(monkeypatch):
-    """``verify_flash`` reads a long prefix in chunks merged by their log-sum-exp: with chunks of a few keys (so
-    every prefix spans several) the result still equals the float64 reference."""
-    import compiled_attn.verify_flash as verify_flash
-
-    monkeypatch.setattr(verify_flash, "VERIFY_CHUNK_BYTES", 2 * 16 * 4 * 8)  # 8 keys of 2 KV heads x 16 per chunk
-    k = 4
-    b, prefix = _case([5, 0, 130, 64, 1], k, hq=8, hkv=2)
-    masks = random_trees(len(prefix), k, torch.Generator().manual_seed(3))
-    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
-    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5)
-    assert (out.double() - ref).abs().max() < 1e-5
-
-
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("prefix", [0, 300])
-def test_single_request_prefix_reads_its_slots(monkeypatch, prefix):
-    """A batch of one indexed on the host, without the C++ kernel (``native=False``): the prefix is read through
-    its slots (one gather, one flash call), the block table never built; equal to the traced index's result and
-    the float64 reference. The kernel (the default where it fits) reads the table the host index builds."""
+def test_single_request_indexed_on_the_host(prefix, form):
+    """A batch of one indexed on the host: its prefix table equals the tensor form's, and each form reads it to the
+    float64 reference."""
     k = 4
     b, pre = _case([prefix], k, hq=8, hkv=2, seed=5)
     masks = random_trees(1, k, torch.Generator().manual_seed(2))
     meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks.reshape(-1))
     host = build_verify_index(b.req_to_token, meta.inputs)
-    traced = build_verify_index(b.req_to_token, meta.inputs, host_form=False)
-    out = verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5, native=False)
-    if prefix:
-        assert host.prefix._table is None
-    torch.testing.assert_close(out, verify_blocks(b.q, b.k_cache, b.v_cache, traced, 16 ** -0.5, native=False))
+    tensor_form = build_verify_index(b.req_to_token, meta.inputs, host_form=False)
+    assert torch.equal(host.prefix.slots, tensor_form.prefix.slots)
+    assert torch.equal(host.prefix.valid, tensor_form.prefix.valid)
+    out = verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, pre, k, masks, 16 ** -0.5)
     assert (out.double() - ref).abs().max() < 1e-5
-    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=k * 4)
-    assert choice.form == ("kernel" if native_available() else "flash"), choice  # the kernel, where it is built
-    assert (verify_blocks(b.q, b.k_cache, b.v_cache, host, 16 ** -0.5).double() - ref).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -268,50 +248,42 @@ def _compiled_verify_ops(b, prefix, k, masks, scale):
 
 
 def _assert_graph_runs(choice, targets):
-    """The compiled graph calls the op of ``choice``'s form and not the others'."""
-    ops = torch.ops.compiled_attn
-    assert (ops.native_decode_blocks.default in targets) == (choice.form == "kernel"), choice
-    assert (ops.index_columns.default in targets) == (choice.form == "traced"), choice
-    assert (ops.verify_flash.default in targets) == (choice.form == "flash"), choice
+    """The compiled graph calls the kernel's op exactly where ``choice`` names the kernel."""
+    assert (torch.ops.compiled_attn.native_decode_blocks.default in targets) == (choice.form == "kernel"), choice
 
 
 @pytest.mark.parametrize("k, dtype", [(4, torch.float32), (5, torch.float32), (9, torch.float32), (16, torch.float32),
                                       (4, torch.bfloat16)])
-def test_compiled_cpu_verify_picks_its_form_by_rows(k, dtype):
-    """Under ``torch.compile`` on CPU the graph runs what ``forms.choose_form`` names for it: a float32 cache read in
-    place (the C++ kernel's merged op, or the traced form's ``index_columns`` without it) up to ``NATIVE_MAX_ROWS``
-    query rows per KV head through the kernel (k = 5: 10 rows), ``FUSED_MAX_ROWS`` without it (k = 4: 8 rows), at a
-    multiple of 16 rows through the kernel's wide (or tile) path (k = 16: 32 rows), and the flash op otherwise
-    (k = 9: 18 rows, head size 16) or over a bf16 cache without the kernel. All match the float64 reference."""
+def test_compiled_cpu_verify_runs_the_chosen_form(k, dtype):
+    """Under ``torch.compile`` on CPU the graph runs what ``forms.choose_form`` names for it: the C++ kernel where it
+    is built, at any number of query rows per KV head (k = 9: 18 rows, on a vector path; k = 16: 32 rows, a
+    multiple of 16, on the wide or tile path), else the matmul form. All match the float64 reference."""
     b, prefix = _case([5, 0, 130], k, dtype=dtype)
     masks = random_trees(3, k, torch.Generator().manual_seed(8))
     out, targets = _compiled_verify_ops(b, prefix, k, masks, 0.25)
-    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=k * 2, compiling=True)
+    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=k * 2)
     _assert_graph_runs(choice, targets)
-    rows_fit = k * 2 <= (NATIVE_MAX_ROWS if native_available() else FUSED_MAX_ROWS)
-    if native_available():  # the rule, whichever path this CPU's build takes: 32 rows take the wide or tile path
-        assert (choice.form == "kernel") == (rows_fit or k == 16)
-        assert choice.path in (("tile", "wide") if k == 16 else ("vector", "vector_bf16", "wide", "tile", ""))
-    else:
-        assert choice.form == ("traced" if rows_fit and dtype == torch.float32 else "flash")
+    assert choice.form == ("kernel" if native_available() else "matmul"), choice
+    if native_available() and k == 16:
+        assert choice.path in ("tile", "wide"), choice
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.25)
     assert (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_bf16_verify_with_many_rows_runs_the_chosen_form(tree):
-    """A bf16 query and cache, head size 64, k = 4 at 4 query heads per KV head: 16 query rows per KV head, above
-    ``FUSED_MAX_ROWS``. With the kernel built, 16 rows are a multiple of 16: the kernel serves them (its tile path
-    with AMX, its wide path without), compiled and eagerly; without it the flash op. The compiled graph calls the
-    op of the form ``choose_form`` names, and both match the float64 reference at bf16 tolerance."""
+    """A bf16 query and cache, head size 64, k = 4 at 4 query heads per KV head: 16 query rows per KV head, a
+    multiple of 16: the kernel serves them where it is built (its tile path with AMX, its wide path without),
+    compiled and eagerly, else the matmul form. The compiled graph calls the op of the form ``choose_form`` names,
+    and both match the float64 reference at bf16 tolerance."""
     k = 4
     b, prefix = _case([5, 0, 130, 300], k, hq=8, hkv=2, d=64, dtype=torch.bfloat16)
     masks = random_trees(4, k, torch.Generator().manual_seed(3)) if tree else chain_mask(4, k)
     ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 0.125)
     out, targets = _compiled_verify_ops(b, prefix, k, masks, 0.125)
-    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=16, compiling=True)
+    choice = choose_form("verify", b.q, b.k_cache, b.v_cache, rows_per_kv_head=16)
     _assert_graph_runs(choice, targets)
-    assert choice.form == ("kernel" if native_available() else "flash")
+    assert choice.form == ("kernel" if native_available() else "matmul")
     assert choice.path in (("tile", "wide") if native_available() else ("",))
     meta = plan_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1))
     eager = verify_blocks(b.q, b.k_cache, b.v_cache, build_verify_index(b.req_to_token, meta.inputs), 0.125)
@@ -337,10 +309,10 @@ def test_cpu_verify_blocks_are_at_most_128_tokens_and_several_fold_into_one_row(
     assert (out.double() - ref).abs().max() < 3e-2
 
 
-def test_fused_and_cpu_flash_together_is_an_error():
+def test_an_unknown_form_is_an_error():
     b, prefix = _case([5, 9], 2)
-    with pytest.raises(ValueError, match="fused=True and cpu_flash=True"):
-        verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, fused=True, cpu_flash=True)
+    with pytest.raises(ValueError, match="form must be one of"):
+        verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, 2, form="flash")
 
 
 @pytest.mark.parametrize("cold_bytes", [0, 1 << 20], ids=["warm", "cold"])

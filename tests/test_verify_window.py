@@ -1,6 +1,6 @@
 """Verify on a sliding-window layer (gpt-oss alternates them): every draft token's window starts at its own
 position (``prefix + depth``), chains and trees, against a plain float64 reference written per query token; the
-three prefix forms, slots scattered and in runs (read in place), pages, sinks, hypothesis cases, and one compile
+kernel and the matmul form, slots scattered and in runs (read in place), pages, sinks, hypothesis cases, and one compile
 per bucket."""
 import pytest
 import torch
@@ -11,7 +11,7 @@ from test_verify import _case, compiles_once_per_bucket, random_trees
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.verify import build_verify_index, chain_mask, plan_verify, verify_attention, verify_blocks
 
-FORMS = {"flash": {"cpu_flash": True}, "matmul": {"cpu_flash": False}, "fused": {"fused": True}}
+FORMS = {"auto": {}, "matmul": {"form": "matmul"}}
 
 
 def reference_window(q, k_cache, v_cache, table, rows, prefix, k, masks, window, scale, sinks=None):

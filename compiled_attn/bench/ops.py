@@ -89,8 +89,8 @@ def _parse(argv):
                    help="decode and verify: where tokens' KV slots lie: scattered at random (a long-running "
                         "server's free list), or engine (prompts in runs of consecutive slots, the last "
                         f"{ENGINE_DECODE_TAIL} decode steps a batch apart, as a fresh SGLang pool hands them out)")
-    p.add_argument("--traced", action="store_true",
-                   help="decode: also time the compiled step without the C++ kernel (inductor's traced loops)")
+    p.add_argument("--portable", action="store_true",
+                   help="decode: also time the compiled step in the portable matmul form (no kernel)")
     p.add_argument("--against", nargs="+", default=[], choices=["sglang"],
                    help="decode (mha, mla; bf16/fp16): also time SGLang's own CPU decode kernel (decode_attention_cpu, "
                         "from the kit at --sglang-kit, built there on first use), checked against ours first; "
@@ -142,11 +142,11 @@ def _decode_table(args, report: dict, decode_ops: list[str], dtype, cold: int) -
     sglang = _load_sglang(args, report, decode_ops)
     kv_dtypes = [KV_DTYPE_NAMES[n] for n in args.kv_dtype] if args.kv_dtype else [dtype]
     rows = [bench_case(op, bs, lens, iters=args.iters, dtype=dtype, page_size=page, kv_dtype=kv, bound=True,
-                       slot_layout=layout, traced=args.traced, cold_bytes=cold, sglang=sglang)
+                       slot_layout=layout, portable=args.portable, cold_bytes=cold, sglang=sglang)
             for op in decode_ops for lens in args.lens for bs in args.batch_size or [1, 8, 32]
             for layout in args.slot_layout for page in args.page_size for kv in kv_dtypes
             if not (layout == "engine" and page > 1)]
-    cols = DECODE_COLUMNS + (["traced_ms", "native_x"] if args.traced else [])
+    cols = DECODE_COLUMNS + (["portable_ms", "kernel_x"] if args.portable else [])
     cols += ["sglang_ms", "sglang/compiled"] if sglang is not None else []
     for r in rows:
         r["busy"] = "?" if r["others_cpu"] is None else "*" if r["others_cpu"] > BUSY_WARNING else ""
@@ -159,7 +159,7 @@ def _decode_table(args, report: dict, decode_ops: list[str], dtype, cold: int) -
           "GBps: the cache bytes stored (in the cache's dtype) / compiled time; served: the form a DecodeGraphs "
           "bucket replays (its warm-up times compiled against eager and keeps compiled unless eager is "
           f"{EAGER_MARGIN:.0%} faster), served_x its ratio to the loop"
-          + ("; traced: compiled without the C++ kernel, native_x = traced / compiled" if args.traced else "")
+          + ("; portable: compiled matmul form, kernel_x = portable / compiled" if args.portable else "")
           + "; " + _cache_note(args, cold))
     if sglang is not None:
         checked = [r["sglang_diff"] for r in rows if "sglang_ms" in r]

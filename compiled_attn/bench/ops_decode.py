@@ -1,6 +1,6 @@
 """One decode case of ``compiled-attn bench-ops`` (the ``mha`` / ``mla`` tables, and ``--sweep-len``'s rows): the
 per-request SDPA loop (SGLang torch_native's algorithm), our eager and compiled ``decode_blocks``, optionally the
-compiled step without the C++ kernel (``traced``), SGLang's own CPU decode kernel (``sglang``: a loaded kit,
+compiled step in the portable matmul form (``portable``), SGLang's own CPU decode kernel (``sglang``: a loaded kit,
 ``sglang_kit.py``) and a one-pass read of the same K/V bytes (``bound``), checked against each other and then timed
 in interleaved rounds in balanced orders (``profiling.timers.time_interleaved``).
 
@@ -39,10 +39,10 @@ class SglangMismatch(RuntimeError):
 
 
 def _decode_step(q, k_cache, v_cache, table, inputs: DecodeInputs, scale, v_shares_k, page_size=1, kv_scale=None,
-                 native=None):
-    """One decode call as the benchmarks time it; ``native=False``: inductor's traced form, not the C++ kernel."""
+                 form="auto"):
+    """One decode call as the benchmarks time it; ``form="matmul"``: the portable form, not the device's kernel."""
     return decode_blocks(q, k_cache, v_cache, build_decode_index(table, inputs, page_size), scale,
-                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, native=native)
+                         v_shares_k=v_shares_k, k_scale=kv_scale, v_scale=kv_scale, form=form)
 
 
 def _kv_bytes_copy(b, lens: list[int], mla: bool) -> torch.Tensor:
@@ -61,15 +61,16 @@ def _repeat(cache: torch.Tensor, copies: int) -> torch.Tensor:
 
 def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: int = 0,
                lens: list[int] | None = None, bound: bool = False, page_size: int = 1,
-               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered", traced: bool = False,
+               kv_dtype: torch.dtype | None = None, slot_layout: str = "scattered", portable: bool = False,
                cold_bytes: int = 0, sglang=None) -> dict:
     """Decode of one batch (``bs`` requests, contexts from ``lens_kind`` or the explicit ``lens`` override, a
     list of ``bs`` ints): loop, eager and compiled (and with ``bound`` the one-pass K/V read) timed round-robin
     after checking that the three outputs agree. Returns one table row (ms, ratios to the loop, GB/s).
     ``page_size``: the cache's pages (SGLang's paged layout); ``kv_dtype``: the cache's dtype (default ``dtype``;
     float8 caches are read with a scale of 0.5, the loop casting and scaling per request); ``slot_layout``: where
-    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out); ``traced``:
-    also the compiled step without the C++ kernel (``native_decode``), where the kernel serves the case;
+    the tokens' slots lie (``batches.make_batch``: scattered, or as SGLang's allocator hands them out); ``portable``:
+    also the compiled step in the portable matmul form (what a device without a kernel runs), where a kernel serves
+    the case;
     ``cold_bytes``: copies of the K/V read in turn (module docstring); ``sglang``: the op namespace of a loaded
     SGLang kit (``sglang_kit.load_kit(...).ops``): its ``decode_attention_cpu`` too, where it takes the dtypes
     (``sglang_ms``, ``sglang/compiled`` = sglang_ms / compiled_ms, > 1: ours is faster; else ``sglang_skipped`` says
@@ -125,12 +126,12 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     torch.testing.assert_close(ours.float(), ref.float(), atol=ATOL, rtol=RTOL)
     served = served_form(timed(comp), timed(eager))
     fns = {"loop": timed(loop), "eager": timed(eager), "compiled": timed(comp)}
-    if traced and not shape.mla and native_fits(q, k_cache, v_cache):
-        def trace(t):
-            return compiled(q, k_cache, v_cache, t, *tail, False)  # native=False: a graph of its own
+    if portable and native_fits(q, k_cache, v_cache):
+        def matmul(t):
+            return compiled(q, k_cache, v_cache, t, *tail, "matmul")  # a graph of its own
 
-        torch.testing.assert_close(trace(table).float(), ref.float(), atol=ATOL, rtol=RTOL)
-        fns["traced"] = timed(trace)
+        torch.testing.assert_close(matmul(table).float(), ref.float(), atol=ATOL, rtol=RTOL)
+        fns["portable"] = timed(matmul)
     sglang_skipped = None
     sglang_diff = None
     if sglang is not None:
@@ -167,9 +168,9 @@ def bench_case(name: str, bs: int, lens_kind: str, *, iters: int, dtype, seed: i
     if bound:
         row["read_ms"] = t["read"] * 1e3
         row["x_read"] = t["compiled"] / t["read"]
-    if "traced" in t:
-        row["traced_ms"] = t["traced"] * 1e3
-        row["native_x"] = t["traced"] / t["compiled"]
+    if "portable" in t:
+        row["portable_ms"] = t["portable"] * 1e3
+        row["kernel_x"] = t["portable"] / t["compiled"]
     if "sglang" in t:
         row["sglang_ms"] = t["sglang"] * 1e3
         row["sglang/compiled"] = t["sglang"] / t["compiled"]

@@ -27,36 +27,33 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from ..api import v_is_prefix_of_k
-from ..compile_policy import allow_data_dependent_sizes
-from ..decode import (
-    DecodeIndex,
-    SlotMap,
-    aligned_kv_lo,
-    build_decode_index,
-    decode_blocks,
-    gather_unit,
-    total_blocks_needed,
-    translate_slots,
+from .. import (
+    FP8_DTYPES,
+    KV_DTYPES,
+    ExtendTileIndex,
+    allow_data_dependent_sizes,
+    extend_tiles,
+    native_available,
+    scale_value,
+    supports_tile_flash,
+    tile_index,
+    v_is_prefix_of_k,
 )
-from ..extend import ExtendTileIndex, extend_tiles, supports_tile_flash, tile_index
-from ..kv_dtype import FP8_DTYPES, KV_DTYPES, scale_value
+from ..decode import DecodeIndex, SlotMap, build_decode_index, decode_blocks
+from ..kv_blocks import aligned_kv_lo, gather_unit
 from ..metadata import DecodeInputs
-from ..native_decode import native_available
 from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
     GraphState,
     SwaPool,
     capturing_prefill_graph,
+    check_decode_capacity,
     check_full_slots,
-    check_graph_blocks,
     check_kwargs,
     check_mode,
     extend_over_given_kv,
-    graph_batch_size,
     graph_block_capacity,
-    host_int64,
     layer_logit_cap,
     layer_window,
     swa_pool_of,
@@ -227,20 +224,9 @@ class CompiledAttnBackend(AttentionBackend):
 
     def _check_capacity(self, forward_batch) -> None:
         g = self.graph
-        bs = graph_batch_size(forward_batch, g.max_bs)
-        lens = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
-        enc = getattr(forward_batch, "encoder_lens", None)
-        enc = host_int64(getattr(forward_batch, "encoder_lens_cpu", None), enc) if enc is not None else None
-        width, cap = self.max_context_len, self.graph_block_capacity(bs)
-        hi = lens if enc is None else lens + enc
-        if hi.numel() and int(hi.max()) > width:
-            raise ValueError(f"compiled_attn: a request reaches position {int(hi.max())}, beyond the "
-                             f"req_to_token width {width} (max_context_len)")
-        for window, cross, *_ in self.decode_keys:
-            lo, hi = decode_kv_range(lens, enc if enc is not None else torch.zeros_like(lens), window, cross)
-            needed = total_blocks_needed(lo, hi, self.block_size, self.page_size)
-            check_graph_blocks(lambda lo=lo, hi=hi: f"decode batch (bs={bs}, {int((hi - lo).sum())} KV tokens)",
-                               needed, cap, self.block_size, g.kv_tokens)
+        check_decode_capacity(forward_batch, self.decode_keys, max_bs=g.max_bs, width=self.max_context_len,
+                              capacity=self.graph_block_capacity, block_size=self.block_size,
+                              page_size=self.page_size, kv_tokens=g.kv_tokens)
 
     def init_forward_metadata_in_graph(self, forward_batch, build_index: bool = True):
         """Graph-recordable: copy the batch's rows/ranges into the static buffers and build the block index of
@@ -312,14 +298,6 @@ class CompiledAttnBackend(AttentionBackend):
         """Over a hybrid sliding-window pool: the plans' table checks, against the full pool (``check_full_slots``)."""
         check_full_slots(self.req_to_token, rows, lo, hi, self.swa.full_slots, self.page_size)
 
-    def _swa_write_loc(self, state: _ForwardState | None, loc: torch.Tensor) -> torch.Tensor:
-        """``loc`` in the window layers' pool: translated once per forward (in graphs, by the first layer's write)."""
-        if state is None:
-            return translate_slots(loc.to(torch.int64), self.swa.slot_map)
-        if state.swa_loc is None:
-            state.swa_loc = translate_slots(loc.to(torch.int64), self.swa.slot_map)
-        return state.swa_loc
-
     # ------------------------------------------------------------------ forward
 
     def _layer_scales(self, layer) -> tuple[float | None, float | None]:
@@ -342,7 +320,7 @@ class CompiledAttnBackend(AttentionBackend):
             v = v if v_scale is None else v / v_scale
             # a hybrid sliding-window pool writes a window layer at its own slots (SWAKVPool.set_kv_buffer asserts
             # they are given), the others at loc; cross-attention never goes to the window pool
-            swa_loc = self._swa_write_loc(state, loc) if self.is_window_pool_layer(layer) else None
+            swa_loc = self.swa.write_loc(loc, state) if self.is_window_pool_layer(layer) else None
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, swa_loc), k, v)
 
     def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, state=None):
@@ -361,24 +339,25 @@ class CompiledAttnBackend(AttentionBackend):
         index = state.decode.get(key)
         if index is None:
             self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
-            if state.static:
-                index = self._static_decode_index(state, key)
-            else:
-                meta = plan_decode(q3, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
-                                   forward_batch.seq_lens, sliding_window=key[0],
-                                   encoder_lens=forward_batch.encoder_lens, is_cross_attn=cross,
-                                   block_size=self.block_size, page_size=self.page_size,
-                                   check_slots=self.swa is None)
-                i = meta.inputs
-                if self.swa is not None:
-                    start = aligned_kv_lo(i.kv_lo, gather_unit(self.page_size, self.block_size))
-                    self.check_full_slots(i.req_rows, start, i.kv_hi)
-                index = build_decode_index(self.req_to_token, i, self.page_size, slot_map=self._slot_map(key))
-            state.decode[key] = index
+            index = state.decode[key] = (self._static_decode_index(state, key) if state.static else
+                                         self._eager_decode_index(q3, k_cache, v_cache, forward_batch, key))
         k_scale, v_scale = self._layer_scales(layer)
         o = decode_blocks(q3, k_cache, v_cache, index, layer.scaling, layer_logit_cap(layer),
                           v_shares_k=self.v_shares_k, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _eager_decode_index(self, q3, k_cache, v_cache, forward_batch, key: DecodeKey) -> DecodeIndex:
+        """The host plan of this forward's batch for a layer configuration (checks included) and its index, built for
+        the page size the plan records."""
+        meta = plan_decode(q3, k_cache, v_cache, self.req_to_token, forward_batch.req_pool_indices,
+                           forward_batch.seq_lens, sliding_window=key[0], encoder_lens=forward_batch.encoder_lens,
+                           is_cross_attn=key[1], block_size=self.block_size, page_size=self.page_size,
+                           check_slots=self.swa is None)
+        i = meta.inputs
+        if self.swa is not None:  # the plan's table checks, against the full pool (check_full_slots)
+            start = aligned_kv_lo(i.kv_lo, gather_unit(meta.page_size, meta.block_size))
+            check_full_slots(self.req_to_token, i.req_rows, start, i.kv_hi, self.swa.full_slots, meta.page_size)
+        return build_decode_index(self.req_to_token, i, meta.page_size, slot_map=self._slot_map(key))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         if capturing_prefill_graph():

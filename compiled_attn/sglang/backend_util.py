@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs import cdiv
-
-from .. import validate
-from ..decode import SlotMap, gather_unit
-from ..extend import extend_tiles, supports_tile_flash, tile_index
-from ..plan import normalize_window, plan_extend
+from .. import extend_tiles, supports_tile_flash, tile_index
+from ..decode import SlotMap, translate_slots
+from ..kv_blocks import cdiv, gather_unit, total_blocks_needed
+from ..plan import decode_kv_bounds, normalize_window, plan_extend
+from ..validate import check_page_layout, check_slots
 
 #: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
@@ -47,6 +46,26 @@ def check_graph_blocks(batch: Callable[[], str], needed: int, capacity: int, blo
             f"compiled_attn: this {batch()} needs {needed} KV blocks of {block_size}, more than the {capacity} a graph "
             f"of this batch size was captured with (requests sharing a cached prefix count it once each). Raise "
             f"{GRAPH_KV_TOKENS_ENV} (now {kv_tokens} tokens) or lower --cuda-graph-max-bs")
+
+
+def check_decode_capacity(forward_batch, keys, *, max_bs: int, width: int, capacity: Callable[[int], int],
+                          block_size: int, page_size: int, kv_tokens: int) -> None:
+    """A decode batch against the captured graph of its size, for each layer configuration ``(window, cross, ...)``
+    of ``keys``: every request ends within the table (``width`` positions) and the batch's KV blocks fit the graph's
+    ``capacity(bs)`` (``check_graph_blocks``). Host ints, each ``[bs]`` read once (``*_cpu`` copies where held)."""
+    bs = graph_batch_size(forward_batch, max_bs)
+    lens = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens).tolist()
+    enc = getattr(forward_batch, "encoder_lens", None)
+    enc = [0] * len(lens) if enc is None else host_int64(getattr(forward_batch, "encoder_lens_cpu", None), enc).tolist()
+    end = max((n + e for n, e in zip(lens, enc, strict=True)), default=0)
+    if end > width:
+        raise ValueError(f"compiled_attn: a request reaches position {end}, beyond the req_to_token width {width} "
+                         f"(max_context_len)")
+    cap = capacity(bs)
+    for window, cross, *_ in keys:
+        lo, hi = decode_kv_bounds(lens, enc, window, cross)
+        check_graph_blocks(lambda lo=lo, hi=hi: f"decode batch (bs={bs}, {sum(hi) - sum(lo)} KV tokens)",
+                           total_blocks_needed(lo, hi, block_size, page_size), cap, block_size, kv_tokens)
 
 
 def layer_window(layer) -> int | None:
@@ -137,6 +156,15 @@ class SwaPool:
                                "SWATokenToKVPoolAllocator registers it when it is built)")
         return SlotMap(table, self.num_slots)
 
+    def write_loc(self, loc: torch.Tensor, state=None) -> torch.Tensor:
+        """``loc`` (full-pool slots) translated to the window layers' pool: once per forward where the forward's
+        ``state`` is given (kept as ``state.swa_loc``; in graphs the first layer's write sets it), else each call."""
+        if state is None:
+            return translate_slots(loc.to(torch.int64), self.slot_map)
+        if state.swa_loc is None:
+            state.swa_loc = translate_slots(loc.to(torch.int64), self.slot_map)
+        return state.swa_loc
+
     @property
     def full_slots(self) -> int:
         """The slots ``req_to_token`` entries index: the mapping's entries but its sentinel."""
@@ -178,8 +206,8 @@ def check_full_slots(req_to_token: torch.Tensor, rows, lo, hi, num_slots: int, p
     hybrid sliding-window pool the plans skip theirs, which count the rows of the caches they are handed (a window
     layer's, reached through the slot map, are fewer)."""
     rows, lo, hi = (host_int64(None, t) for t in (rows, lo, hi))
-    validate.check_slots(req_to_token, rows, lo, hi, num_slots)
-    validate.check_page_layout(req_to_token, rows, lo, hi, page_size)
+    check_slots(req_to_token, rows, lo, hi, num_slots)
+    check_page_layout(req_to_token, rows, lo, hi, page_size)
 
 
 def extend_over_given_kv(q3, k, v, layer, fb, key, sinks=None):

@@ -39,9 +39,9 @@ from dataclasses import replace
 
 import torch
 
+from .. import mask_numel
 from ..decode import translate_slots
 from ..verify import VerifyIndex, build_verify_index, plan_verify, verify_blocks
-from ..verify_masks import mask_numel
 from .backend_util import host_int64, layer_logit_cap, layer_window
 
 VERIFY_KEY = ("verify",)  # the verify index's key in the forward state's extend dict (one per forward)
@@ -109,7 +109,7 @@ def verify_index(backend, q3, k_cache, v_cache, forward_batch) -> VerifyIndex:
                        check_slots=backend.swa is None)
     if backend.swa is not None:  # the table indexes the full pool, whichever layer planned (backend.py)
         backend.check_full_slots(meta.inputs.req_rows[:bs], torch.zeros_like(prefix), prefix + k)
-    index = build_verify_index(backend.req_to_token, meta.inputs, backend.page_size)
+    index = build_verify_index(backend.req_to_token, meta.inputs, meta.page_size)
     return with_written_slots(index, forward_batch.out_cache_loc, bs, k)
 
 

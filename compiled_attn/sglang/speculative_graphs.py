@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import validate
-from ..decode import total_blocks_needed
+from .. import check_custom_mask, draft_mask_from_custom
+from ..kv_blocks import total_blocks_needed
+from ..validate import check_kv_end
 from ..verify import VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
-from ..verify_masks import check_custom_mask, draft_mask_from_custom
 from .backend_util import check_graph_blocks, graph_batch_size, graph_block_capacity, host_int64
 from .speculative import draft_len_of, is_chain, mask_layout, mask_of, with_written_slots
 
@@ -98,8 +98,7 @@ def verify_out_graph(backend, forward_batch, in_capture: bool = False) -> None:
     prefix = host_int64(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
     if prefix.shape != (bs,):
         raise ValueError(f"compiled_attn: seq_lens must have shape [{bs}] (the batch size), got {tuple(prefix.shape)}")
-    validate.check_kv_end(prefix + k, backend.max_context_len,
-                          f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
+    check_kv_end(prefix + k, backend.max_context_len, f"compiled_attn: TARGET_VERIFY seq_lens + draft_token_num ({k})")
     needed = total_blocks_needed(torch.zeros_like(prefix), prefix, state.block_size, backend.page_size)
     check_graph_blocks(lambda: f"TARGET_VERIFY batch (bs={bs}, {int(prefix.sum())} cached tokens)", needed,
                        _capacity(backend, bs, state.block_size), state.block_size, backend.graph.kv_tokens)

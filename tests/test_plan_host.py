@@ -1,0 +1,103 @@
+"""The decode plan's host arithmetic (Python ints) and the host-built index of a batch of one equal their tensor forms:
+the key ranges, the step inputs, the block counts, the index through a slot translation, and the page-layout check
+of one row."""
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compiled_attn.decode import SlotMap, _batched_index, _single_request_index
+from compiled_attn.kv_blocks import decode_blocks_needed
+from compiled_attn.metadata import DecodeInputs
+from compiled_attn.plan import decode_kv_bounds, decode_kv_range, plan_decode
+from compiled_attn.validate import check_page_layout
+
+WINDOWS = st.one_of(st.none(), st.integers(0, 40))
+
+
+@settings(max_examples=80, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 30)), max_size=6), window=WINDOWS,
+       cross=st.booleans())
+def test_decode_kv_bounds_equal_the_tensor_form(lens, window, cross):
+    """``decode_kv_bounds`` (lists, the plan's) equals ``decode_kv_range`` (tensors, the graphs'): windows, encoder
+    offsets, cross-attention, an empty batch."""
+    seq = [n for n, _ in lens]
+    enc = [e for _, e in lens]
+    lo, hi = decode_kv_bounds(seq, enc, None if cross else window, cross)
+    t_lo, t_hi = decode_kv_range(torch.tensor(seq, dtype=torch.int64), torch.tensor(enc, dtype=torch.int64),
+                                 None if cross else window, cross)
+    assert lo == t_lo.tolist() and hi == t_hi.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), block_size=st.sampled_from([8, 16]), window=WINDOWS)
+def test_plan_decode_inputs_equal_the_tensor_form(data, page_size, block_size, window):
+    """``plan_decode``'s step inputs and block count, made from Python ints, equal the tensor arithmetic over the
+    same batch, padded to the capacities asked for (padded rows: row 0, an empty range)."""
+    bs = data.draw(st.integers(1, 4))
+    lens = data.draw(st.lists(st.integers(0, 60), min_size=bs, max_size=bs))
+    width = 64
+    table = torch.arange(8 * width, dtype=torch.int32).view(8, width)  # row r: page-aligned consecutive slots
+    rows = torch.tensor(data.draw(st.lists(st.integers(0, 7), min_size=bs, max_size=bs)))
+    seq = torch.tensor(lens)
+    q, kc = torch.zeros(bs, 2, 8), torch.zeros(8 * width, 1, 8)
+    extra_rows, extra_blocks = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
+    lo, hi = decode_kv_range(seq, torch.zeros_like(seq), window, False)
+    needed = int(decode_blocks_needed(lo, hi, block_size, page_size).sum())
+    meta = plan_decode(q, kc, kc, table, rows, seq, sliding_window=window, block_size=block_size, page_size=page_size,
+                       batch_capacity=bs + extra_rows, block_capacity=max(needed, 1) + extra_blocks)
+    pad = torch.zeros(extra_rows, dtype=torch.int64)
+    inputs = meta.inputs
+    assert meta.blocks_needed == needed and meta.num_real == bs
+    for got, want in ((inputs.req_rows, rows), (inputs.kv_lo, lo), (inputs.kv_hi, hi)):
+        assert got.dtype == torch.int64 and torch.equal(got, torch.cat([want, pad]))
+    assert torch.equal(inputs.block_ids, torch.arange(max(needed, 1) + extra_blocks))
+    assert torch.equal(inputs.block_offsets, torch.arange(block_size))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), block_size=st.sampled_from([8, 16]))
+def test_single_request_index_through_a_slot_map_equals_the_tensor_form(data, page_size, block_size):
+    """A batch of one indexed on the host through a slot translation (a hybrid sliding-window pool's window layer)
+    has the tensor form's blocks: the translated slots, the masked positions' block-first slots, ``valid``."""
+    width = data.draw(st.integers(1, 4)) * 32
+    hi = data.draw(st.integers(0, width))
+    lo = data.draw(st.integers(0, hi))
+    table = torch.randint(0, 500, (2, width), dtype=torch.int32)
+    slot_map = SlotMap(torch.randint(0, 64, (501,), dtype=torch.int32), 48)
+    unit = math.gcd(page_size, block_size)
+    needed = int(decode_blocks_needed(torch.tensor([lo]), torch.tensor([hi]), block_size, page_size))
+    inputs = DecodeInputs(torch.tensor([1]), torch.tensor([lo]), torch.tensor([hi]),
+                          torch.arange(needed + data.draw(st.integers(0, 2))), torch.arange(block_size))
+    host = _single_request_index(table, inputs, unit, slot_map)
+    traced = _batched_index(table, inputs, unit, slot_map)
+    for name in ("block_req", "slots", "valid", "units"):
+        a, b = getattr(host, name), getattr(traced, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([2, 4, 16]))
+def test_one_row_page_check_agrees_with_the_batched_check(data, page_size):
+    """A batch of one checks its page layout without masks (``_one_row_keeps_pages``); it refuses exactly the tables
+    the batched check refuses (the same row twice), with the same message: slots off their page offset, a page's
+    slots not consecutive, ranges starting inside a page."""
+    pages = 6
+    width = pages * page_size
+    order = data.draw(st.permutations(range(1, 40)))[:pages]
+    row = torch.tensor([order[p // page_size] * page_size + p % page_size for p in range(width)], dtype=torch.int32)
+    for _ in range(data.draw(st.integers(0, 2))):  # corrupt an entry, maybe
+        row[data.draw(st.integers(0, width - 1))] = data.draw(st.integers(0, 40 * page_size))
+    table = torch.stack([torch.zeros(width, dtype=torch.int32), row])
+    hi = data.draw(st.integers(0, width))
+    lo = data.draw(st.integers(0, hi))
+
+    def verdict(rows):
+        try:
+            check_page_layout(table, rows, [lo] * len(rows), [hi] * len(rows), page_size)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    assert verdict([1]) == verdict([1, 1])
