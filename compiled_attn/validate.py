@@ -94,10 +94,7 @@ def length_values(name: str, t: torch.Tensor, bs: int, device: torch.device) -> 
 
 def check_lengths(name: str, t: torch.Tensor, bs: int, device: torch.device) -> torch.Tensor:
     """``length_values``, returned as a ``[bs]`` int64 tensor on the host."""
-    _check_vector(name, t, bs, device)
-    host = t.detach().to("cpu", torch.int64)
-    _check_lengths(name, host.tolist())
-    return host
+    return torch.tensor(length_values(name, t, bs, device), dtype=torch.int64)
 
 
 def _check_rows(values: list[int], max_reqs: int) -> list[int]:
@@ -121,11 +118,7 @@ def table_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: i
 def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int, device: torch.device
                 ) -> torch.Tensor:
     """``table_rows``, the rows returned as a ``[bs]`` int64 tensor on the host."""
-    check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
-    _check_vector("req_pool_indices", req_pool_indices, bs, device)
-    rows = req_pool_indices.detach().to("cpu", torch.int64)
-    _check_rows(rows.tolist(), req_to_token.shape[0])
-    return rows
+    return torch.tensor(table_rows(req_to_token, req_pool_indices, bs, device), dtype=torch.int64)
 
 
 def _values(t: Ints) -> Sequence[int]:
