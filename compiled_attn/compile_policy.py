@@ -9,10 +9,18 @@
   (softmax scale, page size); a symbolic float cost a restarted trace, a symbolic int slower kernels.
 - The recompile limit is raised deliberately: the default of 8 per function would make the ninth bucket raise
   ``FailOnRecompileLimitHit`` under ``fullgraph=True``.
+
+Opaque ops (``opaque_op``): what ``torch.library.custom_op`` gives (the compiled graph calls the
+function as one node; a fake registered beside it gives its output shapes) without its per-call Python layers.
+
+Why: a ``custom_op`` call passes through an autograd wrapper, a redispatch and an output-aliasing check in Python,
+30-40 us per call on this project's CPUs, as much as a short request's whole decode kernel, once per layer per
+step. These ops are inference-only (no backward), so they are registered straight on the dispatcher as
+``CompositeExplicitAutograd`` kernels: a call goes from the dispatcher to the Python function. The output must
+still not alias an input (the compiled graph assumes it), as for ``custom_op``: every op here returns new tensors.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -54,38 +62,21 @@ def configure_dynamo(recompile_limit: int = DEFAULT_RECOMPILE_LIMIT) -> None:
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, recompile_limit * 4)
 
 
-def set_cache_dir(path: str | None) -> None:
-    """Point inductor's on-disk caches at ``path`` (kept across restarts, so the second start compiles less)."""
-    if path:
-        os.makedirs(path, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-
-
 def compile_step(fn: Callable, *, dynamic: bool | None = True, mode: str | None = None) -> Callable:
     """``torch.compile(fn, fullgraph=True)`` with this project's settings."""
     configure_dynamo()
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, mode=mode)
 
 
-def save_artifacts(path: str) -> bool:
-    """Save inductor's compiled artifacts of this process to ``path``; False when torch lacks the API."""
-    save = getattr(torch.compiler, "save_cache_artifacts", None)
-    if save is None:
-        return False
-    result = save()
-    if result is None:
-        return False
-    data, _info = result
-    with open(path, "wb") as f:
-        f.write(data)
-    return True
+NAMESPACE = "compiled_attn"
+# the registration handle: the ops live as long as it does (a fragment: other modules may add ops to the namespace)
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def load_artifacts(path: str) -> bool:
-    """Load artifacts saved by ``save_artifacts`` (hot-loads the caches); False when absent or unsupported."""
-    load = getattr(torch.compiler, "load_cache_artifacts", None)
-    if load is None or not os.path.exists(path):
-        return False
-    with open(path, "rb") as f:
-        load(f.read())
-    return True
+def opaque_op(fn: Callable) -> torch._ops.OpOverload:
+    """Register ``fn`` (annotated like a ``custom_op`` function) as ``torch.ops.compiled_attn.<fn name>`` and return
+    that op; register its fake with ``torch.library.register_fake(op)``."""
+    name = fn.__name__
+    _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+    return getattr(getattr(torch.ops, NAMESPACE), name).default

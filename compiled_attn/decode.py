@@ -23,19 +23,18 @@ from typing import NamedTuple
 import torch
 
 from . import validate
+from .compile_policy import opaque_op
 from .forms import choose_form, explain
+from .kernels.cpu.kernel import bf16_query_scale, native_decode_blocks
 from .kernels.triton_form import triton_decode_blocks
-from .kv_blocks import (
+from .kv import dequantize, gather_rows, scale_pair
+from .plan import (
+    DecodeInputs,
     aligned_kv_lo,
     cdiv,
     decode_blocks_needed,
     gather_unit,
 )
-from .kv_dtype import dequantize, gather_rows, scale_pair
-from .merge import merge_partials
-from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_decode_blocks
-from .opaque import opaque_op
 
 __all__ = ["DecodeIndex", "SlotMap", "build_decode_index", "decode_blocks", "matmul_partials", "masked_softmax_parts",
            "merge_blocks", "sinks_by_kv_head", "translate_slots"]
@@ -334,7 +333,21 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
     ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
     compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
     """
-    return merge_partials(m, lsum, o, block_req, num_rows, sinks)
+    rows = num_rows + 1  # the extra row collects unused blocks
+    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path); a
+    # half-precision kernel's block outputs are merged in float32
+    m, lsum, o = m.contiguous(), lsum.contiguous(), o.float().contiguous()
+    lowest = torch.finfo(torch.float32).min
+    m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)
+    m_req = m_req.scatter_reduce(0, block_req.view(-1, *[1] * (m.dim() - 1)).expand_as(m), m, reduce="amax")
+    if sinks is not None:  # the sink is one more term of the row's max, so no exp() below can overflow
+        m_req = torch.maximum(m_req, sinks)
+    w = torch.exp(m - m_req.index_select(0, block_req))
+    acc = o.new_zeros((rows, *o.shape[1:])).index_add_(0, block_req, (o * w[..., None]).contiguous())
+    den = lsum.new_zeros((rows, *lsum.shape[1:])).index_add_(0, block_req, lsum * w)
+    if sinks is not None:
+        den = den + torch.exp(sinks - m_req)
+    return acc[:num_rows] / den[:num_rows, ..., None].clamp_min(torch.finfo(torch.float32).tiny)
 
 
 @torch.library.register_fake(merge_blocks)

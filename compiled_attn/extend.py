@@ -9,13 +9,13 @@ pairs have no query and no key, so they do no work and contribute nothing.
 Per step, ``build_extend_tile_index`` looks up each pair's key slots and builds its mask (pure tensor code:
 compiles with ``fullgraph=True``). Per layer, ``extend_tiles`` attends each pair and merges a query row's partial
 softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a tile's queries are laid out as
-``[Hkv, group * TQ, D]`` against one K tile. Two forms:
+``[Hkv, group * TQ, D]`` against one K tile. Two forms, chosen by ``forms.choose_extend_form`` (``form=``):
 
-- CPU, no soft-cap, ``Dv <= Dqk`` (a narrower V is zero-padded): ``extend_flash.ragged_tile_flash``, an
-  opaque op (``opaque.py``) running ATen's CPU flash kernel over each query tile's consecutive key tiles;
-- elsewhere (CUDA, soft-cap; ``cpu_flash=False`` anywhere): batched matmuls over static chunks of pairs, float32
-  softmax, partials merged by ``decode.merge_blocks`` with rows = packed query tokens. Invalid key rows are zeroed
-  after the gather (``torch.where``), so NaN/Inf in the padding slot never reaches an output (0 * NaN is NaN).
+- ``kernel`` (CPU, no soft-cap, ``Dv <= Dqk``: a narrower V is zero-padded): ``kernels/cpu/extend_flash.py``, an
+  opaque op running ATen's CPU flash kernel over each query tile's consecutive key tiles;
+- ``matmul`` (elsewhere: CUDA, soft-cap): batched matmuls over static chunks of pairs, float32 softmax, partials
+  merged by ``decode.merge_blocks`` with rows = packed query tokens. Invalid key rows are zeroed after the gather
+  (``torch.where``), so NaN/Inf in the padding slot never reaches an output (0 * NaN is NaN).
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from typing import NamedTuple
 import torch
 
 from .decode import SlotMap, merge_blocks, sinks_by_kv_head, translate_slots
-from .extend_flash import ragged_tile_flash, run_on_threads, span_keys_for, supports_tile_flash
-from .kv_blocks import cdiv
-from .kv_dtype import dequantize, gather_rows, scale_pair
-from .metadata import ExtendMetadata
+from .forms import choose_extend_form, explain
+from .kernels.cpu.extend_flash import ragged_tile_flash, run_on_threads, span_keys_for
+from .kv import dequantize, gather_rows, scale_pair
+from .plan import ExtendMetadata, cdiv
 
 #: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
 MATMUL_CHUNK_BYTES = 32 << 20
@@ -205,8 +205,8 @@ def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs
                             slot_map: SlotMap | None = None) -> ExtendTileIndex:
     """Pure tensor code (no host sync). req_to_token: [max_reqs, max_context_len] int32; inputs:
     ``plan_extend_tiles(...).inputs`` (pair tensors [P]; q_ids: [TQ], k_ids: [TK] aranges).
-    with_mask: build the [P, TQ, TK] mask the matmul form needs (the CPU flash form does without: in eager mode
-    it was most of the index's cost). slot_map: the key slots translated (``decode.translate_slots``).
+    with_mask: build the [P, TQ, TK] mask the matmul form needs (the kernel form does without: in eager mode it was
+    most of the index's cost). slot_map: the key slots translated (``decode.translate_slots``).
     """
     pair_row, kv_start, k_count, q_start, q_count, q_rel, full, q_ids, k_ids = inputs
     k_valid = k_ids[None, :] < k_count[:, None]  # [P, TK]
@@ -228,28 +228,24 @@ def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs
 
 
 def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: ExtendTileIndex,
-                 scale: float, logit_cap: float | None = None, *, cpu_flash: bool | None = None,
+                 scale: float, logit_cap: float | None = None, *, form: str | None = "auto",
                  span_keys: int | None = None, k_scale: float | None = None,
                  v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype.
 
-    The caches may be any ``kv_dtype.KV_DTYPES`` (float8: dequantised in the gather as ``stored * k_scale`` /
+    The caches may be any ``kv.KV_DTYPES`` (float8: dequantised in the gather as ``stored * k_scale`` /
     ``stored * v_scale``, None meaning 1). sinks: [Hq] attention-sink logits, as in ``decode_blocks``.
-    cpu_flash: the CPU flash form; None picks it wherever it applies (CPU, Dv <= Dqk, no soft-cap); the choice
-    follows shapes, dtypes and the device, never values. span_keys: keys per CPU kernel call (default about
-    ``extend_flash.SPAN_BYTES`` of K).
+    form: "auto" (or None), "kernel" or "matmul" (``forms.choose_extend_form``); the choice follows shapes, dtypes
+    and the device, never values. span_keys: keys per kernel call (default about ``extend_flash.SPAN_BYTES`` of K).
     """
     t, hq, _ = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     if t == 0:  # nothing to gather from an empty q
         return q.new_zeros(0, hq, dv)
     sinks = sinks_by_kv_head(sinks, hkv, hq)
-    fits = supports_tile_flash(q, k_cache, v_cache, logit_cap)
-    if cpu_flash is None:
-        cpu_flash = fits
-    if cpu_flash:
-        if not fits:
-            raise ValueError("cpu_flash=True needs a CPU q, Dv <= Dqk and logit_cap=None")
+    choice = choose_extend_form(q, k_cache, v_cache, logit_cap, form)
+    explain("extend_tiles", choice, q, k_cache, v_cache, hq // hkv)
+    if choice.form == "kernel":
         span_keys = span_keys_for(hkv, q.shape[2]) if span_keys is None else span_keys
         out = ragged_tile_flash(q, k_cache, v_cache, index.slots, index.q_start, index.q_count, index.k_count,
                                 index.full, index.q_rel, scale, span_keys, index.causal,
@@ -301,31 +297,33 @@ def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, lo
     return merge_blocks(m, l_, o, target, t, sinks).reshape(t, hq, dv).to(q.dtype)
 
 
-def default_tile_q(cpu_flash: bool) -> int:
-    """Query tile rows per form. CPU flash: 256 (group * 256 rows reach the kernel's large query block, and its
-    causal diagonal skips the masked half, so a big tile wastes nothing); matmul form: 64, where every (query,
-    key) of a kept tile is computed and a big tile would compute more of the masked triangle."""
-    return 256 if cpu_flash else 64
+def default_tile_q(form: str) -> int:
+    """Query tile rows per form (``form``: "kernel" or "matmul", as ``choose_extend_form`` returns). The kernel:
+    256 (group * 256 rows reach ATen's large query block, and its causal diagonal skips the masked half, so a big
+    tile wastes nothing); matmul form: 64, where every (query, key) of a kept tile is computed and a big tile would
+    compute more of the masked triangle."""
+    return 256 if form == "kernel" else 64
 
 
 def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale: float,
                  logit_cap: float | None = None, *, tile_q: int | None = None, tile_k: int = 64,
-                 pair_capacity: int | None = None, cpu_flash: bool | None = None, k_scale: float | None = None,
+                 pair_capacity: int | None = None, form: str | None = "auto", k_scale: float | None = None,
                  v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
     single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
-    flash = supports_tile_flash(q, k_cache, v_cache, logit_cap) if cpu_flash is None else cpu_flash
-    index = tile_index(req_to_token, meta, flash, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
-    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, cpu_flash=cpu_flash, k_scale=k_scale,
-                        v_scale=v_scale, sinks=sinks)
+    form = choose_extend_form(q, k_cache, v_cache, logit_cap, form).form
+    index = tile_index(req_to_token, meta, form, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
+    return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, form=form, k_scale=k_scale, v_scale=v_scale,
+                        sinks=sinks)
 
 
-def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, flash: bool, *, tile_q: int | None = None,
+def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, form: str, *, tile_q: int | None = None,
                tile_k: int = 64, pair_capacity: int | None = None, slot_map: SlotMap | None = None) -> ExtendTileIndex:
-    """Eager, once per step: plan the tiles of a planned batch and build the index its layers share, for the form
-    ``flash`` picks (the CPU flash form needs no mask; ``tile_q`` defaults to the form's ``default_tile_q``);
-    slot_map: as ``build_extend_tile_index``'s."""
-    tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(flash), tile_k=tile_k,
+    """Eager, once per step: plan the tiles of a planned batch and build the index its layers share, for ``form``
+    ("kernel" or "matmul", as ``choose_extend_form`` returns: the kernel needs no mask; ``tile_q`` defaults to the
+    form's ``default_tile_q``); slot_map: as ``build_extend_tile_index``'s."""
+    tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(form), tile_k=tile_k,
                               pair_capacity=pair_capacity)
     return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,
-                                   sliding_window=tiles.sliding_window, with_mask=not flash, slot_map=slot_map)
+                                   sliding_window=tiles.sliding_window, with_mask=form != "kernel",
+                                   slot_map=slot_map)

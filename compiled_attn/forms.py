@@ -23,15 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native_decode
+from .kernels.cpu import kernel as cpu_kernel
+from .kernels.cpu.extend_flash import tile_flash_refusal
+from .kernels.cpu.kernel import bf16_query_scale, kernel_path, native_refusal
 from .kernels.triton_form import triton_installed, triton_refusal
-from .native_decode import bf16_query_scale, kernel_path, native_refusal
 
-__all__ = ["EXPLAIN_ENV", "FORMS", "FormChoice", "choose_form"]
+__all__ = ["EXPLAIN_ENV", "EXTEND_FORMS", "FORMS", "FormChoice", "choose_extend_form", "choose_form"]
 
 EXPLAIN_ENV = "COMPILED_ATTN_EXPLAIN"
 #: "auto" chooses; each other name runs that form (``choose_form``)
 FORMS = ("auto", "kernel", "triton", "matmul")
+#: extend's forms: "kernel" is ATen's CPU flash kernel over tile spans (no Triton extend kernel yet)
+EXTEND_FORMS = ("auto", "kernel", "matmul")
 
 _log = logging.getLogger(__name__)
 
@@ -61,8 +64,8 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # eagerly, a call of the same shapes, dtypes and form on the same build chooses the same: looked up (the choice
     # ran on every layer of every step, a few us each)
     key = (q.device.type, q.dtype, k_cache.dtype, v_cache.dtype, *q.shape[1:], *k_cache.shape[1:], v_cache.shape[2],
-           k_cache.stride(-1), v_cache.stride(-1), rows_per_kv_head, form, native_decode.native_available(),
-           native_decode.kernel_isa_bits(), triton_installed())
+           k_cache.stride(-1), v_cache.stride(-1), rows_per_kv_head, form, cpu_kernel.native_available(),
+           cpu_kernel.kernel_isa_bits(), triton_installed())
     choice = _EAGER_CHOICES.get(key)
     if choice is None:
         choice = _choose_form(q, k_cache, v_cache, rows_per_kv_head, form or "auto")
@@ -97,6 +100,25 @@ def _choose_form(q, k_cache, v_cache, rows: int, form: str) -> FormChoice:
     path, reason = kernel_path(k_cache.dtype, bf16_query_scale(q, k_cache, 1.0) > 0, rows, q.shape[-1],
                                v_cache.shape[-1])
     return FormChoice("kernel", path, f"{name} {given}: {reason}")
+
+
+def choose_extend_form(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float | None,
+                       form: str | None = "auto") -> FormChoice:
+    """The form that computes an extend call, and why: ``kernel`` (path ``flash_tiles``: each query tile's key
+    spans through ATen's CPU flash kernel, ``kernels/cpu/extend_flash.py``) where it serves the call, else
+    ``matmul`` (static chunks of tile pairs, batched matmuls). form: "auto" (or None) chooses; "kernel" or "matmul"
+    runs that form (ValueError where the kernel cannot serve the call, or for another name)."""
+    if form not in (None, *EXTEND_FORMS):
+        raise ValueError(f"form must be one of {EXTEND_FORMS} for extend, got {form!r}")
+    if form == "matmul":
+        return FormChoice("matmul", "", "form='matmul' given: chunks of tile pairs and batched matmuls")
+    refusal = tile_flash_refusal(q, k_cache, v_cache, logit_cap)
+    if refusal and form == "kernel":
+        raise ValueError(f"form='kernel': ATen's CPU flash kernel cannot serve this call ({refusal})")
+    if refusal:
+        return FormChoice("matmul", "", f"no kernel serves it ({refusal}): chunks of tile pairs and batched matmuls")
+    given = "given" if form == "kernel" else "serves it"
+    return FormChoice("kernel", "flash_tiles", f"ATen's CPU flash kernel {given}: each query tile's key spans")
 
 
 def explain(site: str, choice: FormChoice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,17 +9,141 @@ one host-to-device copy: a batch of one plans in a few small tensor ops.
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from . import validate
-from .kv_blocks import gather_unit, total_blocks_needed
-from .metadata import DecodeInputs, DecodeMetadata, ExtendInputs, ExtendMetadata
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "decode_kv_bounds", "decode_kv_range", "normalize_window", "plan_decode",
-           "plan_extend"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata", "aligned_kv_lo",
+           "cdiv", "check_capacity", "decode_blocks_needed", "decode_kv_bounds", "decode_kv_range", "gather_unit",
+           "int64_rows", "normalize_window", "plan_decode", "plan_extend", "total_blocks_needed"]
 
 DEFAULT_BLOCK_SIZE = 64
+
+
+
+class DecodeInputs(NamedTuple):
+    """The per-step tensors of a decode batch (padded rows: row 0, empty range).
+
+    req_rows:      [bs_cap] int64, request row in req_to_token
+    kv_lo, kv_hi:  [bs_cap] int64, the key positions ``[kv_lo, kv_hi)`` each request reads
+    block_ids:     [num_blocks] int64 arange, the block capacity of this bucket
+    block_offsets: [block_size] int64 arange
+    """
+
+    req_rows: torch.Tensor
+    kv_lo: torch.Tensor
+    kv_hi: torch.Tensor
+    block_ids: torch.Tensor
+    block_offsets: torch.Tensor
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> DecodeInputs:
+        """The fields picked by name from a mapping that may hold more (a captured step's static buffers)."""
+        return cls(*(tensors[name] for name in cls._fields))
+
+
+class ExtendInputs(NamedTuple):
+    """The per-step tensors of an extend batch. Key ``j`` of request ``b`` is position ``kv_lo[b] + j`` of its
+    req_to_token row; query ``i`` sits at ``q_first[b] + i`` in the same coordinates (causal: ``j <= q_first + i``).
+
+    req_rows:      [bs_cap] int64
+    kv_lo:         [bs_cap] int64, first key position read (encoder offset, sliding-window start)
+    kv_len:        [bs_cap] int64, keys read
+    q_first:       [bs_cap] int64, first query's position relative to kv_lo
+    q_len:         [bs_cap] int64, new tokens (queries) of the request
+    q_offsets:     [bs_cap] int64, where the request's queries start in the packed q
+    """
+
+    req_rows: torch.Tensor
+    kv_lo: torch.Tensor
+    kv_len: torch.Tensor
+    q_first: torch.Tensor
+    q_len: torch.Tensor
+    q_offsets: torch.Tensor
+
+
+@dataclass
+class DecodeMetadata:
+    """A planned decode batch: its step inputs (padded to ``bs_cap`` rows) and what the host knows about it.
+
+    num_real:      real batch size (rows past it are padding)
+    blocks_needed: blocks the real batch uses (<= num_blocks)
+    slots_checked: plan checked that every req_to_token entry the batch reads is a slot (``check_slots``)
+    page_size:     the cache's page size the blocks were planned for (pass it to ``build_decode_index``)
+    """
+
+    inputs: DecodeInputs
+    num_real: int
+    blocks_needed: int
+    slots_checked: bool = False
+    page_size: int = 1
+
+    @property
+    def block_size(self) -> int:
+        return self.inputs.block_offsets.shape[0]
+
+
+@dataclass
+class ExtendMetadata:
+    """A planned extend batch: its step inputs, the per-layer static settings, and host counts.
+
+    causal, sliding_window: static settings (one compiled graph per value)
+    num_real, num_tokens: real batch size and packed query count
+    """
+
+    inputs: ExtendInputs
+    causal: bool
+    sliding_window: int | None
+    num_real: int
+    num_tokens: int
+
+
+
+def cdiv(n, d):
+    """Ceiling division of a non-negative int or integer tensor ``n`` by a positive ``d``."""
+    return (n + d - 1) // d
+
+
+def gather_unit(page_size: int, block_size: int) -> int:
+    """Positions per gathered run of consecutive slots: ``gcd(page_size, block_size)`` (1 without pages)."""
+    a, b = int(page_size), int(block_size)
+    if a == 1:  # a token-granular cache, the common case
+        return 1
+    while b:  # Euclid by hand: dynamo cannot trace math.gcd on a shape
+        a, b = b, a % b
+    return a
+
+
+def aligned_kv_lo(kv_lo, unit: int):
+    """Where a request's first block starts: ``kv_lo`` (an int or an int64 tensor, any shape) rounded down to a
+    multiple of the gather ``unit`` (each run of ``unit`` positions then lies in one page); the fewer than ``unit``
+    positions before ``kv_lo`` are masked."""
+    return kv_lo if unit == 1 else kv_lo - kv_lo % unit
+
+
+def decode_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: int, page_size: int = 1
+                         ) -> torch.Tensor:
+    """kv_lo, kv_hi: [bs] int64 -> [bs] int64, the blocks each request's range ``[kv_lo, kv_hi)`` takes (its first
+    block starting at a run boundary); pure tensor code."""
+    start = aligned_kv_lo(kv_lo, gather_unit(page_size, block_size))
+    return cdiv((kv_hi - start).clamp_min(0), block_size) * (kv_hi > kv_lo)
+
+
+def total_blocks_needed(kv_lo: Sequence[int] | torch.Tensor, kv_hi: Sequence[int] | torch.Tensor, block_size: int,
+                        page_size: int = 1) -> int:
+    """``decode_blocks_needed(...).sum()`` as a Python int, over ranges given as [bs] host tensors (read once) or
+    lists of ints: a plan's and a graph check's count without the ~9 small tensor ops of the tensor form (tens of us
+    at batch 1)."""
+    unit = gather_unit(page_size, block_size)
+    if isinstance(kv_lo, torch.Tensor):
+        kv_lo, kv_hi = kv_lo.tolist(), kv_hi.tolist()
+    return sum([(hi - lo + lo % unit + block_size - 1) // block_size
+                for lo, hi in zip(kv_lo, kv_hi, strict=True) if hi > lo])
 
 
 def normalize_window(sliding_window):
@@ -27,18 +151,10 @@ def normalize_window(sliding_window):
     return None if sliding_window is None or sliding_window == -1 else sliding_window
 
 
-def _pad(t: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    if n == t.shape[0]:  # no padding rows (every eager plan): a copy, never the caller's tensor
-        return t.to(torch.int64, copy=True)
-    out = torch.full((n,), fill, dtype=torch.int64)
-    out[: t.shape[0]] = t
-    return out
-
-
-def _int64_rows(columns: list[list[int]], n: int, device: torch.device) -> list[torch.Tensor]:
+def int64_rows(columns: list[list[int]], n: int, device: torch.device) -> list[torch.Tensor]:
     """Columns of Python ints, each padded with zeros to ``n`` entries -> one [n] int64 tensor on ``device`` each:
     the rows of one tensor, made by one host-to-device copy (where a tensor each costs three times the ops)."""
-    padded = columns if len(columns[0]) == n else [c + [0] * (n - len(c)) for c in columns]
+    padded = [c if len(c) == n else c + [0] * (n - len(c)) for c in columns]
     return list(torch.tensor(padded, dtype=torch.int64, device=device).unbind())
 
 
@@ -51,7 +167,7 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
         return torch.arange(n, device=device)
 
 
-def _capacity(name: str, given: int | None, needed: int, minimum: int = 1) -> int:
+def check_capacity(name: str, given: int | None, needed: int, minimum: int = 1) -> int:
     if given is None:
         return max(needed, minimum)
     if given < needed:
@@ -146,9 +262,9 @@ def plan_decode(
         validate.check_slots(req_to_token, rows, start, hi, k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, start, hi, page_size)
     needed = total_blocks_needed(lo, hi, block_size, page_size)
-    bs_cap = _capacity("batch_capacity", batch_capacity, bs)
-    nblk = _capacity("block_capacity", block_capacity, needed)
-    req_rows, kv_lo, kv_hi = _int64_rows([rows, lo, hi], bs_cap, device)
+    bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
+    nblk = check_capacity("block_capacity", block_capacity, needed)
+    req_rows, kv_lo, kv_hi = int64_rows([rows, lo, hi], bs_cap, device)
     inputs = DecodeInputs(req_rows, kv_lo, kv_hi, _arange(nblk, device), _arange(block_size, device))
     return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
 
@@ -184,44 +300,39 @@ def plan_extend(
     device = q.device
     validate.check_tensor("seq_lens", seq_lens, 1, validate.INDEX_DTYPES, device)
     bs = seq_lens.shape[0]
-    rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
-    lens = validate.check_lengths("seq_lens", seq_lens, bs, device)
-    prefix = validate.check_lengths("extend_prefix_lens", extend_prefix_lens, bs, device)
-    ext = validate.check_lengths("extend_seq_lens", extend_seq_lens, bs, device)
-    enc = torch.tensor(_encoder_values(encoder_lens, is_cross_attn, bs, device), dtype=torch.int64)
+    rows = validate.table_rows(req_to_token, req_pool_indices, bs, device)
+    lens = validate.length_values("seq_lens", seq_lens, bs, device)
+    prefix = validate.length_values("extend_prefix_lens", extend_prefix_lens, bs, device)
+    ext = validate.length_values("extend_seq_lens", extend_seq_lens, bs, device)
+    enc = _encoder_values(encoder_lens, is_cross_attn, bs, device)
     sliding_window = normalize_window(sliding_window)
     validate.check_window_and_cap(sliding_window, None)
-    if not torch.equal(prefix + ext, lens):
-        bad = int(torch.nonzero(prefix + ext != lens)[0, 0])
+    bad = next((i for i in range(bs) if prefix[i] + ext[i] != lens[i]), None)
+    if bad is not None:
         raise ValueError(f"extend_prefix_lens + extend_seq_lens must equal seq_lens; request {bad}: "
-                         f"{int(prefix[bad])} + {int(ext[bad])} != {int(lens[bad])}")
-    num_tokens = int(ext.sum())
+                         f"{prefix[bad]} + {ext[bad]} != {lens[bad]}")
+    num_tokens = sum(ext)
     if q.shape[0] != num_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens but sum(extend_seq_lens) is {num_tokens}")
     if is_cross_attn:
         if sliding_window is not None:
             raise ValueError("sliding_window applies to self-attention; it must be None with is_cross_attn=True")
         causal = False
-        lo, kv_len, q_first = torch.zeros_like(enc), enc, torch.zeros_like(enc)
+        lo, kv_len, q_first = [0] * bs, enc, [0] * bs
         validate.check_kv_end(enc, req_to_token.shape[1], "encoder_lens")
     else:
-        validate.check_kv_end(enc + lens, req_to_token.shape[1],
+        validate.check_kv_end([e + n for e, n in zip(enc, lens, strict=True)], req_to_token.shape[1],
                               "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
-        skip = torch.zeros_like(prefix)
-        if sliding_window is not None:  # keys before the first query's window are never read
-            skip = (prefix - sliding_window).clamp_min(0)
-        lo, kv_len, q_first = enc + skip, lens - skip, prefix - skip
+        # keys before the first query's window are never read
+        skip = [0 if sliding_window is None else max(p - sliding_window, 0) for p in prefix]
+        lo = [e + s for e, s in zip(enc, skip, strict=True)]
+        kv_len = [n - s for n, s in zip(lens, skip, strict=True)]
+        q_first = [p - s for p, s in zip(prefix, skip, strict=True)]
     if check_slots:
-        validate.check_slots(req_to_token, rows, lo, lo + kv_len, k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, lo, lo + kv_len, page_size)
-    bs_cap = _capacity("batch_capacity", batch_capacity, bs)
-    offsets = torch.cumsum(ext, 0) - ext
-    inputs = ExtendInputs(
-        req_rows=_pad(rows, bs_cap).to(device),
-        kv_lo=_pad(lo, bs_cap).to(device),
-        kv_len=_pad(kv_len, bs_cap).to(device),
-        q_first=_pad(q_first, bs_cap).to(device),
-        q_len=_pad(ext, bs_cap).to(device),
-        q_offsets=_pad(offsets, bs_cap, fill=num_tokens).to(device),
-    )
+        hi = [a + n for a, n in zip(lo, kv_len, strict=True)]
+        validate.check_slots(req_to_token, rows, lo, hi, k_cache.shape[0])
+        validate.check_page_layout(req_to_token, rows, lo, hi, page_size)
+    bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
+    offsets = [*itertools.accumulate(ext[:-1], initial=0)][:bs] + [num_tokens] * (bs_cap - bs)  # padding: past q
+    inputs = ExtendInputs(*int64_rows([rows, lo, kv_len, q_first, ext, offsets], bs_cap, device))
     return ExtendMetadata(inputs, causal=causal, sliding_window=sliding_window, num_real=bs, num_tokens=num_tokens)

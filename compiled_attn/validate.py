@@ -12,17 +12,20 @@ from collections.abc import Sequence
 
 import torch
 
-from .kv_dtype import KV_DTYPES
+from graphs.row_inputs import check_slot_values as check_slot_values
 
-__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "check_growth", "check_index_rows", "check_kv_end", "check_lengths",
-           "check_page_layout", "check_positive_int", "check_positive_number", "check_qkv", "check_scales",
-           "check_sinks", "check_slot_values", "check_slots", "check_table", "check_tensor", "check_window_and_cap",
+__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "INDEX_DTYPES", "KV_DTYPES", "check_growth", "check_index_rows",
+           "check_kv_end", "check_page_layout", "check_positive_int", "check_positive_number", "check_qkv",
+           "check_scales", "check_sinks", "check_slot_values", "check_slots", "check_tensor", "check_window_and_cap",
            "length_values", "table_rows"]
 
 Ints = Sequence[int] | torch.Tensor  # [bs] int64 on the host, or its values as Python ints
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: the cache dtypes the library reads (``kv``): the float dtypes, and float8 stored scaled
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
 
 
 def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | None = None) -> None:
@@ -50,7 +53,7 @@ def check_index_rows(q: torch.Tensor, index_rows: int, tokens: int = 1) -> None:
 
 def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Check ``q: [n, Hq, Dqk]`` (float32/bf16/fp16), ``k_cache: [S, Hkv, Dqk]``, ``v_cache: [S, Hkv, Dv]`` (one
-    dtype of ``kv_dtype.KV_DTYPES``, float8 included); return (Hq, Hkv, Dqk, Dv)."""
+    dtype of ``KV_DTYPES``, float8 included); return (Hq, Hkv, Dqk, Dv)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     device = q.device
     check_tensor("k_cache", k_cache, 3, KV_DTYPES, device)
@@ -92,11 +95,6 @@ def length_values(name: str, t: torch.Tensor, bs: int, device: torch.device) -> 
     return _check_lengths(name, t.tolist())  # one host read (a sync on CUDA)
 
 
-def check_lengths(name: str, t: torch.Tensor, bs: int, device: torch.device) -> torch.Tensor:
-    """``length_values``, returned as a ``[bs]`` int64 tensor on the host."""
-    return torch.tensor(length_values(name, t, bs, device), dtype=torch.int64)
-
-
 def _check_rows(values: list[int], max_reqs: int) -> list[int]:
     if values:
         low, high = min(values), max(values)
@@ -113,12 +111,6 @@ def table_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: i
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
     _check_vector("req_pool_indices", req_pool_indices, bs, device)
     return _check_rows(req_pool_indices.tolist(), req_to_token.shape[0])
-
-
-def check_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: int, device: torch.device
-                ) -> torch.Tensor:
-    """``table_rows``, the rows returned as a ``[bs]`` int64 tensor on the host."""
-    return torch.tensor(table_rows(req_to_token, req_pool_indices, bs, device), dtype=torch.int64)
 
 
 def _values(t: Ints) -> Sequence[int]:
@@ -259,12 +251,3 @@ def check_sinks(sinks, num_heads: int) -> None:
     check_tensor("sinks", sinks, 1, FLOAT_DTYPES)
     if sinks.shape[0] != num_heads:
         raise ValueError(f"sinks must have shape [{num_heads}] (one logit per query head), got {tuple(sinks.shape)}")
-
-
-def check_slot_values(name: str, loc: torch.Tensor, num_slots: int) -> None:
-    """``loc`` (any shape) holds slots in ``[0, num_slots)``; a host read (a sync on CUDA)."""
-    if loc.numel() == 0:
-        return
-    lo, hi = int(loc.min()), int(loc.max())
-    if lo < 0 or hi >= num_slots:
-        raise ValueError(f"{name} must hold KV slots in [0, {num_slots}), got range [{lo}, {hi}]")

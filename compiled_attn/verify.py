@@ -42,13 +42,20 @@ from .decode import (
     translate_slots,
 )
 from .forms import choose_form, explain
+from .kernels.cpu.kernel import bf16_query_scale, native_decode_blocks
 from .kernels.triton_form import triton_verify_blocks
-from .kv_blocks import gather_unit
-from .kv_dtype import dequantize, gather_rows, scale_pair
-from .metadata import DecodeInputs
-from .native_decode import bf16_query_scale, native_decode_blocks
-from .verify_masks import chain_mask, draft_mask_from_custom, full_mask_numel
-from .verify_plan import VerifyInputs, VerifyMetadata, plan_verify, verify_block_size, window_start
+from .kv import dequantize, gather_rows, scale_pair
+from .plan import DecodeInputs, gather_unit
+from .verify_plan import (
+    VerifyInputs,
+    VerifyMetadata,
+    chain_mask,
+    draft_mask_from_custom,
+    full_mask_numel,
+    plan_verify,
+    verify_block_size,
+    window_start,
+)
 
 __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata",
            "build_verify_index", "chain_mask", "draft_mask_from_custom", "full_mask_numel", "plan_verify",

@@ -3,6 +3,16 @@
 ``plan_verify`` checks the batch (queries, table, prefix lengths, custom mask, slots, page layout) on the host and
 pads it to its capacities; ``verify_block_size`` picks the prefix block length; ``window_start`` is where a
 sliding-window layer's prefix blocks begin. Everything the step then runs is ``verify``'s tensor code.
+
+The draft-token masks of speculative verify: the chain, and SGLang's flat tree masks.
+
+Custom mask layouts (SGLang 0.5.23, ``speculative.eagle_utils.TreeMaskMode``), flat bool (or int8/uint8):
+  * ``"draft"`` (QLEN_ONLY, SGLang's default on CPU): per request a ``[k, k]`` row-major block, concatenated:
+    ``mask[b * k * k + i * k + j]``: query ``i`` of request ``b`` sees draft key ``j``.
+  * ``"full"`` (FULL_MASK, the GPU kernels' layout): per request a ``[k, prefix_len + k]`` row-major block,
+    concatenated: request ``b`` starts at ``sum_{c < b} k * (prefix_c + k)``; its draft columns are
+    ``prefix_b + j``. As SGLang's triton extend kernel (``skip_prefix_custom_mask=True``), the prefix columns are
+    not read: the prefix is always fully visible.
 """
 from __future__ import annotations
 
@@ -12,11 +22,10 @@ from typing import NamedTuple
 import torch
 
 from . import validate
-from .kv_blocks import aligned_kv_lo, cdiv, gather_unit, total_blocks_needed
-from .plan import DEFAULT_BLOCK_SIZE, _capacity, _pad
-from .verify_masks import MASK_LAYOUTS, chain_mask, check_custom_mask, draft_mask_from_custom
+from .plan import DEFAULT_BLOCK_SIZE, cdiv, check_capacity, gather_unit, int64_rows, total_blocks_needed
 
-__all__ = ["CPU_MAX_VERIFY_BLOCK", "VerifyInputs", "VerifyMetadata", "plan_verify", "verify_block_size",
+__all__ = ["CPU_MAX_VERIFY_BLOCK", "MASK_LAYOUTS", "VerifyInputs", "VerifyMetadata", "chain_mask", "check_custom_mask",
+           "draft_mask_from_custom", "full_mask_numel", "mask_numel", "plan_verify", "verify_block_size",
            "window_start"]
 
 
@@ -104,33 +113,29 @@ def plan_verify(
     if q.shape[0] != bs * k:
         raise ValueError(f"q has {q.shape[0]} tokens but the batch has {bs} requests of draft_len={k} "
                          f"({bs * k} tokens); draft_len must be the same for every request")
-    rows = validate.check_table(req_to_token, req_pool_indices, bs, device)
-    prefix = validate.check_lengths("prefix_lens", prefix_lens, bs, device)
-    validate.check_kv_end(prefix + k, req_to_token.shape[1], "prefix_lens + draft_len")
+    rows = validate.table_rows(req_to_token, req_pool_indices, bs, device)
+    prefix = validate.length_values("prefix_lens", prefix_lens, bs, device)
+    validate.check_kv_end([n + k for n in prefix], req_to_token.shape[1], "prefix_lens + draft_len")
     if mask_layout not in MASK_LAYOUTS:
         raise ValueError(f"mask_layout must be one of {MASK_LAYOUTS}, got {mask_layout!r}")
+    prefix_host = torch.tensor(prefix, dtype=torch.int64)
     if custom_mask is not None:
-        check_custom_mask(custom_mask, prefix, k, mask_layout, device)
+        check_custom_mask(custom_mask, prefix_host, k, mask_layout, device)
     unit = gather_unit(page_size, block_size)
-    if check_slots:
-        start = aligned_kv_lo(torch.zeros_like(prefix), unit)
-        validate.check_slots(req_to_token, rows, start, prefix + k, k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, start, prefix + k, page_size)
+    if check_slots:  # from position 0, a run boundary
+        validate.check_slots(req_to_token, rows, [0] * bs, [n + k for n in prefix], k_cache.shape[0])
+        validate.check_page_layout(req_to_token, rows, [0] * bs, [n + k for n in prefix], page_size)
     validate.check_window_and_cap(sliding_window, None)
-    lo = torch.zeros_like(prefix) if sliding_window is None else window_start(prefix, k, sliding_window, unit)
+    lo = [0] * bs if sliding_window is None else window_start(prefix_host, k, sliding_window, unit).tolist()
     needed = total_blocks_needed(lo, prefix, block_size, page_size)
-    bs_cap = _capacity("batch_capacity", batch_capacity, bs)
-    nblk = _capacity("block_capacity", block_capacity, needed)
+    bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
+    nblk = check_capacity("block_capacity", block_capacity, needed)
     mask = chain_mask(bs_cap, k, device).clone()
     if custom_mask is not None and bs:
-        mask[:bs] = draft_mask_from_custom(custom_mask, prefix.to(device), k, mask_layout)
-    inputs = VerifyInputs(
-        req_rows=_pad(rows, bs_cap).to(device),
-        prefix_lens=_pad(prefix, bs_cap).to(device),
-        block_ids=torch.arange(nblk, device=device),
-        block_offsets=torch.arange(block_size, device=device),
-        draft_mask=mask,
-    )
+        mask[:bs] = draft_mask_from_custom(custom_mask, prefix_host.to(device), k, mask_layout)
+    req_rows, prefix_lens = int64_rows([rows, prefix], bs_cap, device)
+    inputs = VerifyInputs(req_rows, prefix_lens, torch.arange(nblk, device=device),
+                          torch.arange(block_size, device=device), mask)
     return VerifyMetadata(inputs, num_real=bs, draft_len=k, blocks_needed=needed, page_size=page_size)
 
 
@@ -140,3 +145,50 @@ def window_start(prefix: torch.Tensor, k: int, window: int, unit: int) -> torch.
     only keys every token sees, from a run boundary on), at most ``prefix``. Pure tensor code."""
     first = (prefix + (k - 1 - window)).clamp_min(0)
     return torch.minimum(cdiv(first, unit) * unit, prefix)
+
+
+MASK_LAYOUTS = ("draft", "full")
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+def chain_mask(bs: int, k: int, device=None) -> torch.Tensor:
+    """[bs, k, k] bool: the causal chain (topk 1), query ``i`` sees draft keys ``j <= i``."""
+    return torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(bs, k, k)
+
+
+def draft_mask_from_custom(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, k: int, layout: str = "draft"
+                           ) -> torch.Tensor:
+    """SGLang's flat custom mask -> [bs, k, k] bool (the draft columns only); pure tensor code.
+
+    custom_mask: flat, at least the layout's size (a larger pre-allocated buffer's tail is ignored);
+    prefix_lens: [bs] int64 (read by the ``"full"`` layout only, to find each request's block)."""
+    bs = prefix_lens.shape[0]
+    if layout == "draft":
+        return custom_mask[: bs * k * k].view(bs, k, k) != 0
+    width = prefix_lens + k  # [bs], each request's row length
+    starts = torch.cumsum(k * width, 0) - k * width
+    ar = torch.arange(k, device=prefix_lens.device)
+    idx = starts[:, None, None] + ar[None, :, None] * width[:, None, None] + prefix_lens[:, None, None] + ar
+    return custom_mask.index_select(0, idx.reshape(-1)).view(bs, k, k) != 0
+
+
+def full_mask_numel(prefix_lens: torch.Tensor, k: int) -> int:
+    """Elements a ``"full"``-layout mask of this batch holds: ``k * sum(prefix_lens) + bs * k * k``."""
+    return int(k * prefix_lens.sum()) + prefix_lens.shape[0] * k * k
+
+
+def mask_numel(prefix_lens: torch.Tensor, k: int, layout: str) -> int:
+    """Elements a custom mask of this batch holds in ``layout``: ``bs * k * k`` (draft) or ``full_mask_numel``."""
+    return prefix_lens.shape[0] * k * k if layout == "draft" else full_mask_numel(prefix_lens, k)
+
+
+def check_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, k: int, layout: str,
+                      device: torch.device) -> None:
+    """A batch's custom mask: flat, a mask dtype, on ``device``, exactly ``mask_numel`` elements (a wrong size
+    would read another request's rows); TypeError/ValueError naming ``custom_mask`` and the rule otherwise."""
+    validate.check_tensor("custom_mask", custom_mask, 1, MASK_DTYPES, device)
+    want = mask_numel(prefix_lens, k, layout)
+    if custom_mask.numel() != want:
+        rule = "bs * k * k" if layout == "draft" else "k * sum(prefix_lens) + bs * k * k"
+        raise ValueError(f"custom_mask has {custom_mask.numel()} elements; mask_layout={layout!r} with "
+                         f"bs={prefix_lens.shape[0]}, draft_len={k} needs {rule} = {want}")

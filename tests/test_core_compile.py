@@ -23,7 +23,7 @@ def decode_step(q, k_cache, v_cache, table, inputs):
 
 def extend_step(q, k_cache, v_cache, table, inputs):
     index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=False)
-    return extend_tiles(q, k_cache, v_cache, index, 0.25, cpu_flash=True)
+    return extend_tiles(q, k_cache, v_cache, index, 0.25, form="kernel")
 
 
 def _graphs():

@@ -14,9 +14,8 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.decode import _batched_index, _single_request_index
 from compiled_attn.forms import choose_form
-from compiled_attn.kv_blocks import decode_blocks_needed, total_blocks_needed
-from compiled_attn.metadata import DecodeInputs
-from compiled_attn.native_decode import native_available
+from compiled_attn.kernels.cpu.kernel import native_available
+from compiled_attn.plan import DecodeInputs, decode_blocks_needed, total_blocks_needed
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 LENS = [5, 70, 1, 130, 0, 64, 65]  # one block, several, exactly one block, a partial block, an empty row

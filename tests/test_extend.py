@@ -19,7 +19,7 @@ SHAPES = {  # name: (hq, hkv, dqk, dv)
     "mla_normal": (4, 4, 48, 32),  # qk 192 / v 128 in miniature
 }
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-FORMS = {"flash": True, "matmul": False}
+FORMS = {"flash": "kernel", "matmul": "matmul"}
 
 
 def _run(b, form="matmul", *, causal=True, sliding_window=None, is_cross_attn=False, scale=None, logit_cap=None,
@@ -28,7 +28,7 @@ def _run(b, form="matmul", *, causal=True, sliding_window=None, is_cross_attn=Fa
                        causal=causal, sliding_window=sliding_window, encoder_lens=b.encoder_lens,
                        is_cross_attn=is_cross_attn)
     scale = b.q.shape[2] ** -0.5 if scale is None else scale
-    return extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, scale, logit_cap, cpu_flash=FORMS[form],
+    return extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, scale, logit_cap, form=FORMS[form],
                         **kw)
 
 
@@ -79,7 +79,7 @@ def test_matmul_form_needs_the_mask():
     index = build_extend_tile_index(b.req_to_token, tiles.inputs, causal=True, sliding_window=None,
                                     with_mask=False)
     with pytest.raises(ValueError, match="with_mask"):
-        extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, cpu_flash=False)
+        extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, form="matmul")
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -141,7 +141,7 @@ def test_random_batches(data):
 def test_flash_form_spans_merge_and_per_span_gathers(kw, held_bytes, monkeypatch):
     """Small spans: a query tile's keys in several kernel calls merged by log-sum-exp; with ``HELD_BYTES`` 1 every
     span gathers its own keys instead of slicing its request's."""
-    import compiled_attn.extend_flash as flash
+    import compiled_attn.kernels.cpu.extend_flash as flash
 
     if held_bytes is not None:
         monkeypatch.setattr(flash, "HELD_BYTES", held_bytes)
@@ -150,7 +150,7 @@ def test_flash_form_spans_merge_and_per_span_gathers(kw, held_bytes, monkeypatch
     index = build_extend_tile_index(b.req_to_token, tiles.inputs, causal=tiles.causal,
                                     sliding_window=tiles.sliding_window, with_mask=False)
     for span in (8, 24):
-        out = extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, cpu_flash=True, span_keys=span)
+        out = extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, form="kernel", span_keys=span)
         assert (out.double() - _ref(b, scale=0.25, **kw)).abs().max() < 1e-4
 
 
@@ -188,9 +188,9 @@ def test_plan_pairs_of_a_small_request():
     assert t.inputs.full.tolist() == [1, 0, 1, 1, 0]
 
 
-def _step(q, k_cache, v_cache, table, inputs, cpu_flash):
-    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=not cpu_flash)
-    return extend_tiles(q, k_cache, v_cache, index, 0.25, cpu_flash=cpu_flash)
+def _step(q, k_cache, v_cache, table, inputs, form):
+    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=form != "kernel")
+    return extend_tiles(q, k_cache, v_cache, index, 0.25, form=form)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -222,7 +222,7 @@ def test_strided_query_equals_contiguous(form):
     strided = b.q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not strided.is_contiguous()
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
-    out = [extend_tiled(q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.125, cpu_flash=FORMS[form])
+    out = [extend_tiled(q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.125, form=FORMS[form])
            for q in (b.q, strided)]
     torch.testing.assert_close(out[1], out[0], atol=2e-4, rtol=1e-4)
 
@@ -230,7 +230,7 @@ def test_strided_query_equals_contiguous(form):
 def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
     """A request with no prefix spanning >= CAUSAL_SQUARE_TILES query tiles runs as one causal kernel call (its
     tiles continue one causal square); a short one stays tiled. Both equal the float64 reference."""
-    import compiled_attn.extend_flash as extend_flash
+    import compiled_attn.kernels.cpu.extend_flash as extend_flash
     from compiled_attn.plan import plan_extend
 
     calls = []
@@ -243,7 +243,7 @@ def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
     monkeypatch.setattr(extend_flash, "_aten_flash_cpu", counting)
     b = make_batch([1100, 300], [0, 0], hq=8, hkv=2, dqk=32)
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
-    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, cpu_flash=True, tile_q=256)
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, form="kernel", tile_q=256)
     assert calls[0] == (8, 1100, 1100, True)  # heads unfolded: q [1, Hq, 1100, D] over all 1100 keys
     assert [c[3] for c in calls[1:]] == [True, False]  # the 300-token request: a causal tile, then a folded one
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
@@ -253,7 +253,7 @@ def test_long_request_without_prefix_is_one_causal_call(monkeypatch):
 
 def spy_trapezoids(monkeypatch) -> list[tuple[int, int]]:
     """Record each ``extend_flash._trapezoid`` call as (new tokens, prefix) while it still runs."""
-    import compiled_attn.extend_flash as extend_flash
+    import compiled_attn.kernels.cpu.extend_flash as extend_flash
 
     calls = []
     real = extend_flash._trapezoid
@@ -269,14 +269,14 @@ def spy_trapezoids(monkeypatch) -> list[tuple[int, int]]:
 def test_causal_square_from_its_rows(monkeypatch):
     """Fewer than CAUSAL_SQUARE_TILES query tiles but CAUSAL_SQUARE_ROWS new tokens or more (the kernel's large query
     block): one causal call, with or without a prefix; fewer rows stay tiled. Equal to the float64 reference."""
-    import compiled_attn.extend_flash as extend_flash
+    import compiled_attn.kernels.cpu.extend_flash as extend_flash
     from compiled_attn.plan import plan_extend
 
     calls = spy_trapezoids(monkeypatch)
     rows = extend_flash.CAUSAL_SQUARE_ROWS
     b = make_batch([rows, rows - 10, rows + 40], [0, 0, 40], hq=4, hkv=2, dqk=16)
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
-    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.25, cpu_flash=True, tile_q=rows // 3)
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 0.25, form="kernel", tile_q=rows // 3)
     # rows - 10 new tokens (three tiles) stay tiled: only their first tile is a (one-tile) causal call
     assert sorted(calls) == [(rows // 3, 0), (rows, 0), (rows, 40)]
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,

@@ -14,10 +14,10 @@ from reference import reference_attention
 from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import assign_requests
-from compiled_attn.decode_graphs import RowInput
 from compiled_attn.extend import ExtendTileInputs, build_extend_tile_index, extend_tiles
-from compiled_attn.extend_graphs import ExtendGraphConfig, ExtendGraphs, ExtendKey
 from compiled_attn.plan import plan_extend
+from compiled_attn.runners.decode import RowInput
+from compiled_attn.runners.extend import ExtendGraphConfig, ExtendGraphs, ExtendKey
 from graphs.runner_helpers import key_attrs
 
 HQ, HKV, D = 4, 2, 16
@@ -36,11 +36,11 @@ def _config(**kw):
     return ExtendGraphConfig(**kw)
 
 
-def _step_for(causal, window, flash):
+def _step_for(causal, window, form):
     def step(inputs, persistent):
         index = build_extend_tile_index(persistent["req_to_token"], ExtendTileInputs.of(inputs), causal=causal,
-                                        sliding_window=window, with_mask=not flash)
-        return extend_tiles(inputs["q"], persistent["k"], persistent["v"], index, SCALE, cpu_flash=flash)
+                                        sliding_window=window, with_mask=form != "kernel")
+        return extend_tiles(inputs["q"], persistent["k"], persistent["v"], index, SCALE, form=form)
     return step
 
 
@@ -51,8 +51,8 @@ def _persistent(device="cpu", seed=0):
             "req_to_token": torch.zeros(24, WIDTH, dtype=torch.int32, device=device)}
 
 
-def _graphs(causal=True, window=None, flash=True, compile=False, device="cpu", **kw):
-    return ExtendGraphs(_step_for(causal, window, flash), config=_config(enable_torch_compile=compile, **kw),
+def _graphs(causal=True, window=None, form="kernel", compile=False, device="cpu", **kw):
+    return ExtendGraphs(_step_for(causal, window, form), config=_config(enable_torch_compile=compile, **kw),
                         device=device, token_inputs={"q": RowInput((HQ, D), torch.float32)}, causal=causal,
                         sliding_window=window)
 
@@ -135,10 +135,10 @@ def test_no_new_graphs_across_batches_of_one_bucket(warmed):
     assert graphs.stats.replays == replays + 4 and graphs.stats.fallbacks == 0
 
 
-@pytest.mark.parametrize("flash", [True, False], ids=["flash", "matmul"])
+@pytest.mark.parametrize("form", ["kernel", "matmul"])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 0), (True, 7)])
-def test_mask_settings_and_forms(causal, window, flash):
-    graphs, persistent = _graphs(causal, window, flash), _persistent(seed=1)
+def test_mask_settings_and_forms(causal, window, form):
+    graphs, persistent = _graphs(causal, window, form), _persistent(seed=1)
     graphs.warmup(persistent)
     for seed, (ext, prefix) in enumerate(BATCHES.values()):
         meta, q, ref = _batch(persistent, ext, prefix, seed, causal, window)
@@ -191,7 +191,7 @@ def test_bad_input_names_the_argument():
         ExtendGraphConfig(tile_q=16.0)
     with pytest.raises(ValueError, match="token_growth"):
         ExtendGraphConfig(token_growth=1.0)
-    step = _step_for(True, None, True)
+    step = _step_for(True, None, "kernel")
     with pytest.raises(ValueError, match="token_inputs"):
         ExtendGraphs(step, config=_config(), device="cpu", token_inputs={})
     with pytest.raises(TypeError, match="token_inputs\\['q'\\]"):
@@ -225,7 +225,7 @@ def test_slot_inputs_are_checked_before_a_replay():
     wrapped index inside the replay."""
     def step(inputs, persistent):
         persistent["k"].index_copy_(0, inputs["loc"], inputs["q"][:, :HKV])
-        return _step_for(True, None, True)(inputs, persistent)
+        return _step_for(True, None, "kernel")(inputs, persistent)
 
     graphs = ExtendGraphs(step, config=_config(enable_torch_compile=False), device="cpu",
                           token_inputs={"q": RowInput((HQ, D), torch.float32), "loc": RowInput((), torch.int64,
@@ -243,7 +243,7 @@ def test_slot_inputs_are_checked_before_a_replay():
 def test_cuda_graph_replay_equals_reference():
     """The matmul form (CUDA's) compiled and captured per bucket: equal to the reference, new cache contents
     read at replay, no new graph across batches of one bucket."""
-    graphs, persistent = _graphs(flash=False, compile=True, device="cuda", tile_q=None), _persistent("cuda")
+    graphs, persistent = _graphs(form="matmul", compile=True, device="cuda", tile_q=None), _persistent("cuda")
     graphs.warmup(persistent)
     assert set(graphs.choices().values()) == {"captured"}
     before = counters["stats"]["unique_graphs"]

@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 from compiled_attn.bench.attention_stack import make_caches, make_stack_step
 from compiled_attn.bench.batches import assign_requests
 from compiled_attn.bench.models import get_attention_shape
-from compiled_attn.decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from compiled_attn.plan import plan_decode
+from compiled_attn.runners.decode import DecodeGraphs, GraphConfig, RowInput
 
 BUCKETS = [1, 2, 4, 8, 16]
 MAX_CONTEXT = 64
@@ -102,7 +102,7 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
     all-padding batch it would skip everything and leave its first-call costs to the first request), on every
     key."""
     import compiled_attn.decode as decode
-    from compiled_attn.native_decode import native_available
+    from compiled_attn.kernels.cpu.kernel import native_available
 
     if not native_available():
         pytest.skip("needs the C++ kernel (not built here)")

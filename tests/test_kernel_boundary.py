@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index
-from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks
+from compiled_attn.kernels.cpu import kernel as cpu_kernel
+from compiled_attn.kernels.cpu.kernel import native_available, native_block_partials, native_decode_blocks
 from compiled_attn.plan import plan_decode
 from tests.reference import scaled_queries
 
@@ -170,7 +170,7 @@ def test_paths_by_name_and_by_number():
     from the build's op, and a path this build or shape does not run one naming it and kernel_path."""
     _, _, merged, _ = _call()
     _raises(native_decode_blocks, merged, r"path must be one of", path="fast")
-    ops = native_decode.library().ops
+    ops = cpu_kernel.library().ops
     args = list(merged.values())
     with pytest.raises(ValueError, match=r"path must be a KernelPath number in \[0, 4\), got 7"):
         ops.decode_blocks(*args, None, 0.0, None, None, 1, 7)
@@ -181,7 +181,7 @@ def test_paths_by_name_and_by_number():
 def test_the_ops_are_torch_ops_with_the_python_ops_arguments():
     """Each build's ops are registered with a schema (in a namespace of the build's own) whose arguments are the
     Python ops' (the path by its number): torch checks their types before the C++ checks the rest."""
-    ops = native_decode.library().ops
+    ops = cpu_kernel.library().ops
     for cxx, py in ((ops.decode_blocks, native_decode_blocks), (ops.block_partials, native_block_partials)):
         assert [a.name for a in cxx._schema.arguments] == [a.name for a in py._schema.arguments]
         assert cxx._schema.name.startswith("compiled_attn_block_partials_")

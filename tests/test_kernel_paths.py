@@ -16,11 +16,12 @@ import pytest
 import torch
 from test_verify import _case, random_trees, reference_verify
 
-from compiled_attn import forms, native_decode
+from compiled_attn import forms
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.forms import choose_form
-from compiled_attn.native_decode import (
+from compiled_attn.kernels.cpu import kernel as cpu_kernel
+from compiled_attn.kernels.cpu.kernel import (
     ISA_AMX,
     ISA_AVX2,
     ISA_AVX512,
@@ -35,7 +36,7 @@ from compiled_attn.plan import plan_decode
 from compiled_attn.verify import verify_attention
 from tests.reference import reference_attention
 
-LEVELS = native_decode.cpu_isa_levels()
+LEVELS = cpu_kernel.cpu_isa_levels()
 #: the bits each level's build must report (beside them: only the tile registers' permission, with AMX)
 LEVEL_BITS = {"avx2": ISA_AVX2, "avx512": ISA_AVX2 | ISA_AVX512, "avx512_bf16": ISA_AVX2 | ISA_AVX512 | ISA_AVX512_BF16,
               "amx": ISA_AVX2 | ISA_AVX512 | ISA_AVX512_BF16 | ISA_AMX}
@@ -48,10 +49,10 @@ def level_kernel(request, monkeypatch):
     isa = request.param
     if isa not in LEVELS:
         pytest.skip(f"this CPU lacks {isa} (needs the flags {' '.join(ISA_LEVELS[isa][1])} and the levels below)")
-    lib = native_decode.library_for(isa)
+    lib = cpu_kernel.library_for(isa)
     if lib is None:
         pytest.skip("no C++ compiler on this machine")
-    monkeypatch.setattr(native_decode, "library", lambda: lib)
+    monkeypatch.setattr(cpu_kernel, "library", lambda: lib)
     return isa, lib
 
 
@@ -59,33 +60,33 @@ def test_levels_follow_the_cpu_flags():
     """Each level needs its flags and every level below it."""
     avx2 = "flags : fpu sse2 avx avx2 fma f16c bmi1 bmi2"
     avx512 = avx2 + " avx512f avx512bw avx512vl avx512dq avx512cd"
-    assert native_decode.cpu_isa_levels(avx2) == ["avx2"]
-    assert native_decode.cpu_isa_levels(avx512) == ["avx2", "avx512"]
-    assert native_decode.cpu_isa_levels(avx512 + " avx512_bf16 avx512_vnni") == ["avx2", "avx512", "avx512_bf16"]
-    assert native_decode.cpu_isa_levels(avx512 + " avx512_bf16 avx512_vnni amx_tile amx_bf16") == list(ISA_LEVELS)
-    assert native_decode.cpu_isa_levels(avx512 + " amx_tile amx_bf16") == ["avx2", "avx512"]  # no AVX512-BF16
-    assert native_decode.cpu_isa_levels("flags : fpu sse2 avx") == []
+    assert cpu_kernel.cpu_isa_levels(avx2) == ["avx2"]
+    assert cpu_kernel.cpu_isa_levels(avx512) == ["avx2", "avx512"]
+    assert cpu_kernel.cpu_isa_levels(avx512 + " avx512_bf16 avx512_vnni") == ["avx2", "avx512", "avx512_bf16"]
+    assert cpu_kernel.cpu_isa_levels(avx512 + " avx512_bf16 avx512_vnni amx_tile amx_bf16") == list(ISA_LEVELS)
+    assert cpu_kernel.cpu_isa_levels(avx512 + " amx_tile amx_bf16") == ["avx2", "avx512"]  # no AVX512-BF16
+    assert cpu_kernel.cpu_isa_levels("flags : fpu sse2 avx") == []
 
 
 def test_isa_override_errors(monkeypatch):
     """An unknown level, or one above the CPU's, is one ValueError naming ``COMPILED_ATTN_ISA`` and what the CPU
     supports; unset, empty or ``native`` builds for the whole CPU; a bad value stops ``library()`` too."""
-    monkeypatch.setattr(native_decode, "_cpu_flags", lambda: "flags : avx avx2 fma f16c bmi1 bmi2")
-    assert native_decode.requested_isa("") is None and native_decode.requested_isa("native") is None
-    assert native_decode.requested_isa("avx2") == "avx2"
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: "flags : avx avx2 fma f16c bmi1 bmi2")
+    assert cpu_kernel.requested_isa("") is None and cpu_kernel.requested_isa("native") is None
+    assert cpu_kernel.requested_isa("avx2") == "avx2"
     with pytest.raises(ValueError, match=r"COMPILED_ATTN_ISA='amx' is above what this CPU supports \(avx2\)"):
-        native_decode.requested_isa("amx")
+        cpu_kernel.requested_isa("amx")
     with pytest.raises(ValueError, match=r"COMPILED_ATTN_ISA='sse9' is not a level: one of avx2, avx512, "
                                          r"avx512_bf16, amx or native \(this CPU supports: avx2\)"):
-        native_decode.requested_isa("sse9")
-    monkeypatch.setenv(native_decode.ISA_ENV, "avx512")
+        cpu_kernel.requested_isa("sse9")
+    monkeypatch.setenv(cpu_kernel.ISA_ENV, "avx512")
     try:
-        native_decode.library.cache_clear()
+        cpu_kernel.library.cache_clear()
         with pytest.raises(ValueError, match="COMPILED_ATTN_ISA='avx512' is above"):
-            native_decode.library()
+            cpu_kernel.library()
     finally:
         monkeypatch.undo()
-        native_decode.library.cache_clear()
+        cpu_kernel.library.cache_clear()
 
 
 def test_each_level_builds_what_it_names(level_kernel):
@@ -173,8 +174,8 @@ def _call(hq, hkv, d, dv=None, *, dtype=torch.float32, kv=None, device="cpu"):
 def build_with(monkeypatch):
     """Makes ``choose_form`` see a kernel build with the given ``ISA_*`` bits (None: no kernel built)."""
     def use(bits):
-        monkeypatch.setattr(native_decode, "native_available", lambda: bits is not None)
-        monkeypatch.setattr(native_decode, "kernel_isa_bits", lambda: bits or 0)
+        monkeypatch.setattr(cpu_kernel, "native_available", lambda: bits is not None)
+        monkeypatch.setattr(cpu_kernel, "kernel_isa_bits", lambda: bits or 0)
     return use
 
 

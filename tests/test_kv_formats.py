@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from compiled_attn import decode_attention
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
-from compiled_attn.kv_dtype import FP8_DTYPES, compute_dtype
+from compiled_attn.kv import FP8_DTYPES, compute_dtype
 from compiled_attn.plan import plan_decode
 from tests.reference import DECODE_FORMS, reference_attention
 
@@ -201,8 +201,8 @@ def test_unsupported_cache_dtype():
     (torch.float16, torch.float16, 5e-3),
     (torch.bfloat16, torch.float32, 1e-5),
 ])
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_extend_cache_dtypes(kv_dtype, q_dtype, tol, cpu_flash):
+@pytest.mark.parametrize("form", ["kernel", "matmul"])
+def test_extend_cache_dtypes(kv_dtype, q_dtype, tol, form):
     """Prefix + new tokens over a float8 / half cache (the new tokens' K/V already stored in the cache's dtype)."""
     from compiled_attn.extend import extend_tiled
     from compiled_attn.plan import plan_extend
@@ -211,7 +211,7 @@ def test_extend_cache_dtypes(kv_dtype, q_dtype, tol, cpu_flash):
     ks, vs = (0.5, 3.0) if kv_dtype in FP8_DTYPES else (None, None)
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
                        page_size=16)
-    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, cpu_flash=cpu_flash,
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, form=form,
                        k_scale=ks, v_scale=vs)
     assert out.dtype == q_dtype
     ref = _reference(b, k_scale=ks, v_scale=vs)
@@ -230,7 +230,7 @@ def test_extend_page_layout_checked():
 
 @pytest.mark.parametrize("kv_dtype", [*FP8_DTYPES, torch.bfloat16])
 def test_write_kv_stores_scaled_values(kv_dtype):
-    from compiled_attn.kv_pool import write_kv
+    from compiled_attn.kv import write_kv
 
     cache = torch.zeros(8, 2, 4, dtype=kv_dtype)
     new = torch.randn(2, 2, 4)

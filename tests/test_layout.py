@@ -1,6 +1,7 @@
-"""The layout's promises: imports flow one way, the package never imports tests/, the SGLang integration uses only
-the library's public names, planning imports no run code, and the SGLang plugin (loaded by SGLang in every process)
-imports nothing heavy."""
+"""The layout's promises: imports flow one way, the package never imports tests/, no module imports itself through
+others (no cycle), the library's top level stays at most 12 modules, the SGLang integration uses only the library's
+public names, planning imports no run code, and the SGLang plugin (loaded by SGLang in every process) imports nothing
+heavy."""
 import ast
 import importlib
 import pathlib
@@ -89,7 +90,7 @@ def test_sglang_integration_imports_only_public_names():
 
 
 #: the planning side: host checks and metadata, and the block arithmetic it shares with the run code
-PLANNING = ("plan", "verify_plan", "kv_blocks", "validate", "metadata", "kv_dtype", "verify_masks")
+PLANNING = ("plan", "verify_plan", "validate")
 
 
 def test_planning_imports_no_run_code():
@@ -132,3 +133,90 @@ def test_tests_change_compiler_config_through_its_own_patch():
                     and node.args and ast.unparse(node.args[0]).endswith(("_dynamo.config", "_inductor.config"))):
                 bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "\n".join(bad)
+
+
+#: the most modules the library's top level holds (its kernels, runners, integration and tooling are subpackages)
+TOP_LEVEL_MODULES = 12
+
+
+def test_library_top_level_is_small():
+    modules = sorted(p.name for p in (ROOT / "compiled_attn").glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MODULES, f"{len(modules)} modules: {modules}"
+
+
+def _module_of(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` (under ``root``) it imports anywhere in its source, lazy imports in
+    functions included. ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``;
+    a name the ``compiled_attn`` package exports on first use (``_EXPORTS``) is an edge to the module it comes
+    from."""
+    import compiled_attn
+
+    files = [p for pkg in packages for p in (root / pkg).rglob("*.py")]
+    modules = {_module_of(p, root) for p in files}
+    graph = {}
+    for path in files:
+        me = _module_of(path, root)
+        package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, node.module] if node.module else base)
+                for a in node.names:
+                    if f"{module}.{a.name}" in modules:
+                        edges.add(f"{module}.{a.name}")
+                    elif module == "compiled_attn" and a.name in compiled_attn._MODULE_OF:
+                        edges.add(f"compiled_attn.{compiled_attn._MODULE_OF[a.name]}")
+                    else:
+                        edges.add(module)
+        graph[me] = (edges & modules) - {me}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (module -> modules) as a path ``[a, b, .., a]``, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    return next((c for node in sorted(graph) if node not in state and (c := visit(node, [node]))), None)
+
+
+def test_no_import_cycle_anywhere():
+    """Not in the library, its kernels, runners, integration or tooling (``bench/`` included), ``graphs/`` or
+    ``profiling/``."""
+    graph = import_graph(ROOT, ("compiled_attn", "graphs", "profiling"))
+    assert {"compiled_attn.bench.ops_decode", "compiled_attn.bench.sweep"} <= graph["compiled_attn.bench.ops"]
+    assert "compiled_attn.kernels.cpu.kernel" in graph["compiled_attn.decode"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The walk sees lazy (in-function), ``from . import`` and absolute imports; the check finds their cycle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("from . import c\n")
+    (pkg / "c.py").write_text("from pkg.a import f\nimport os\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}, "pkg.d": {"pkg.c"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    assert find_cycle({**graph, "pkg.c": set()}) is None

@@ -10,7 +10,7 @@ import torch
 from compiled_attn.bench.backends import ExtendBatch, make_backend
 from compiled_attn.bench.engine import Engine
 from compiled_attn.bench.models import PRESETS, build_model, get_config
-from compiled_attn.decode_graphs import GraphConfig
+from compiled_attn.runners.decode import GraphConfig
 
 TINY = ["tiny-llama", "tiny-deepseek"]
 PROMPTS = [5, 17, 33]

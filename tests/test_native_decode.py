@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.forms import choose_form
-from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks, native_fits
+from compiled_attn.kernels.cpu import kernel as cpu_kernel
+from compiled_attn.kernels.cpu.kernel import native_available, native_block_partials, native_decode_blocks, native_fits
 from compiled_attn.plan import plan_decode
 from tests.reference import reference_attention, scaled_queries
 from tests.test_kv_formats import poison_unread
@@ -111,12 +111,12 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
 
     if platform.machine() != "x86_64":
         pytest.skip("x86 instruction sets")
-    from compiled_attn.native_decode import native_decode_blocks
+    from compiled_attn.kernels.cpu.kernel import native_decode_blocks
 
-    if march == "haswell" and "avx2" in native_decode.cpu_isa_levels():  # the avx2 level's build, cached
-        lib = native_decode.library_for("avx2")
+    if march == "haswell" and "avx2" in cpu_kernel.cpu_isa_levels():  # the avx2 level's build, cached
+        lib = cpu_kernel.library_for("avx2")
     else:
-        lib = native_decode.load(native_decode.build(out_dir=tmp_path, march=march))
+        lib = cpu_kernel.load(cpu_kernel.build(out_dir=tmp_path, march=march))
     for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
         # a bf16 query with its scale: the native build's bf16 pair products (AVX512-BF16), exact as these builds'
@@ -127,7 +127,7 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
                     1.0, 0.0, q_scale)
             want = native_block_partials(*args)
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(native_decode, "library", lambda: lib)  # the op calls whatever library() returns
+                mp.setattr(cpu_kernel, "library", lambda: lib)  # the op calls whatever library() returns
                 got = native_block_partials(*args)
             tol = 1e-5 if q_scale else 1e-6  # pairs summed in another order
             for w, g in zip(want, got, strict=True):
@@ -138,7 +138,7 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
                 b.k_cache, b.v_cache, 0.5, 1.0, 0.0)
         want = native_block_partials(*args)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(native_decode, "library", lambda: lib)
+            mp.setattr(cpu_kernel, "library", lambda: lib)
             got = native_block_partials(*args)
         for w, g in zip(want, got, strict=True):  # a build without FMA rounds each product
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
@@ -149,9 +149,9 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
     args = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2, None, 0.0,
             None, None, 2)
     outs = []
-    for library in (native_decode.library(), lib):
+    for library in (cpu_kernel.library(), lib):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(native_decode, "library", lambda library=library: library)
+            mp.setattr(cpu_kernel, "library", lambda library=library: library)
             out = {dt: native_decode_blocks(q.to(dt), *args) for dt in (torch.float32, torch.bfloat16, torch.float16)}
         assert out[torch.bfloat16].dtype == torch.bfloat16 and out[torch.float16].dtype == torch.float16
         assert torch.equal(out[torch.bfloat16], out[torch.float32].bfloat16())
@@ -159,7 +159,7 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
         outs.append(out[torch.float32])
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     # no AMX in these instruction sets (nor AVX-512 or AVX512-BF16): the tile and bf16 pair paths are not built
-    assert lib.ca_isa() & (native_decode.ISA_AVX512 | native_decode.ISA_AVX512_BF16 | native_decode.ISA_AMX) == 0
+    assert lib.ca_isa() & (cpu_kernel.ISA_AVX512 | cpu_kernel.ISA_AVX512_BF16 | cpu_kernel.ISA_AMX) == 0
 
 
 def test_decode_takes_the_kernel_eagerly_and_matches_the_reference():
@@ -183,35 +183,35 @@ def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
     ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                               b.ext_lens, scale=0.3)
     try:
-        monkeypatch.setenv(native_decode.ENABLE_ENV, "0")
-        native_decode.library.cache_clear()
-        assert native_decode.library() is None and not native_fits(b.q, b.k_cache, b.v_cache)
-        monkeypatch.delenv(native_decode.ENABLE_ENV)
+        monkeypatch.setenv(cpu_kernel.ENABLE_ENV, "0")
+        cpu_kernel.library.cache_clear()
+        assert cpu_kernel.library() is None and not native_fits(b.q, b.k_cache, b.v_cache)
+        monkeypatch.delenv(cpu_kernel.ENABLE_ENV)
         monkeypatch.setenv("CXX", "no-such-compiler-here")
-        monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
-        native_decode.library.cache_clear()
-        native_decode.library_for.cache_clear()
+        monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+        cpu_kernel.library.cache_clear()
+        cpu_kernel.library_for.cache_clear()
         with pytest.warns(RuntimeWarning, match="no-such-compiler-here"):
-            assert native_decode.library() is None
+            assert cpu_kernel.library() is None
         out = decode_blocks(b.q, b.k_cache, b.v_cache, index, 0.3)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     finally:
         monkeypatch.undo()
-        native_decode.library.cache_clear()
-        native_decode.library_for.cache_clear()
-    assert native_decode.library() is not None
+        cpu_kernel.library.cache_clear()
+        cpu_kernel.library_for.cache_clear()
+    assert cpu_kernel.library() is not None
 
 
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     """A second build of the same source finds the library in the cache folder (same path, not rebuilt); a
     source that does not compile raises with the compiler's message."""
-    first = native_decode.build(out_dir=tmp_path)
+    first = cpu_kernel.build(out_dir=tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert native_decode.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert cpu_kernel.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f( {")
     with pytest.raises(RuntimeError, match="bad.cpp"):
-        native_decode.build(bad, out_dir=tmp_path)
+        cpu_kernel.build(bad, out_dir=tmp_path)
     assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written file left
 
 
@@ -221,7 +221,7 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     """A table whose valid position names a slot past the cache (a corrupted req_to_token) is a ValueError naming
     the cache's size, from every op, and nothing outside the cache is read (the check is in the kernel): on the
     vector path and (a bf16 query, 8 rows per KV head) the tile path where there is one."""
-    from compiled_attn.native_decode import native_decode_blocks
+    from compiled_attn.kernels.cpu.kernel import native_decode_blocks
 
     b, index = _batch([40, 70], hq=hq, hkv=2, d=64, page_size=page_size, block_size=16, kv_dtype=torch.bfloat16)
     q_scale = 0.125 if bf16 else 0.0
@@ -250,7 +250,7 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
             native_decode_blocks(bad, *draft, shows)
 
 
-tiles_only = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
+tiles_only = pytest.mark.skipif(not (native_available() and cpu_kernel.native_tiles_available()),
                                 reason="no AMX tile path in this kernel build (no AMX on the CPU, COMPILED_ATTN_ISA "
                                        "below amx, or the OS refuses the tile registers)")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_attn.native_decode import native_available, native_block_partials, native_decode_blocks
+from compiled_attn.kernels.cpu.kernel import native_available, native_block_partials, native_decode_blocks
 from tests.reference import scaled_queries
 from tests.test_native_decode import _batch
 
@@ -20,7 +20,7 @@ def test_merged_decode_skips_unused_blocks_and_merges_like_merge_partials(with_s
     that has none: the unused blocks are never computed (their slots point past the cache), a row with no block
     gives zeros (or, with sinks, still zeros: a sink has no value), and every row equals ``merge_partials`` of the
     kernel's partials and the float64 softmax with the sinks in its denominator."""
-    from compiled_attn.merge import merge_partials
+    from compiled_attn.decode import merge_blocks as merge_partials
 
     b, index = _batch([40, 130, 3], hq=8, hkv=2, d=64, page_size=1, block_size=16)
     rows = 4  # one more row than requests: it owns no block

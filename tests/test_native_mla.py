@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
-from compiled_attn.native_decode import native_available
+from compiled_attn.kernels.cpu.kernel import native_available
 from compiled_attn.plan import plan_decode
 from compiled_attn.verify import build_verify_index, plan_verify, verify_blocks
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_attn import native_decode
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index
-from compiled_attn.native_decode import native_available, native_decode_blocks
+from compiled_attn.kernels.cpu import kernel as cpu_kernel
+from compiled_attn.kernels.cpu.kernel import native_available, native_decode_blocks
 from compiled_attn.plan import plan_decode
 
-pytestmark = pytest.mark.skipif(not (native_available() and native_decode.native_tiles_available()),
+pytestmark = pytest.mark.skipif(not (native_available() and cpu_kernel.native_tiles_available()),
                                 reason="no AMX tile path in this kernel build (no AMX on the CPU, COMPILED_ATTN_ISA "
                                        "below amx, or the OS refuses the tile registers)")
 

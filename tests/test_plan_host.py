@@ -8,9 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled_attn.decode import SlotMap, _batched_index, _single_request_index
-from compiled_attn.kv_blocks import decode_blocks_needed
-from compiled_attn.metadata import DecodeInputs
-from compiled_attn.plan import decode_kv_bounds, decode_kv_range, plan_decode
+from compiled_attn.plan import DecodeInputs, decode_blocks_needed, decode_kv_bounds, decode_kv_range, plan_decode
 from compiled_attn.validate import check_page_layout
 
 WINDOWS = st.one_of(st.none(), st.integers(0, 40))

@@ -11,7 +11,7 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.extend import build_extend_tile_index, extend_tiles, plan_extend_tiles
-from compiled_attn.kv_pool import write_kv
+from compiled_attn.kv import write_kv
 from compiled_attn.plan import plan_decode, plan_extend
 
 
@@ -105,13 +105,13 @@ def test_extend_query_without_keys_reads_poisoned_pad_slot():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_extend_compiled_ignores_unowned_slots(cpu_flash):
+@pytest.mark.parametrize("form", ["kernel", "matmul"])
+def test_extend_compiled_ignores_unowned_slots(form):
     b = make_batch([9, 5, 12], [3, 0, 12], hq=4, hkv=2, dqk=16, seed=7)
 
     def step(q, k, v, table, inputs):
-        index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=not cpu_flash)
-        return extend_tiles(q, k, v, index, 0.25, cpu_flash=cpu_flash)
+        index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=form != "kernel")
+        return extend_tiles(q, k, v, index, 0.25, form=form)
 
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
                        batch_capacity=4)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from test_graph_decode import _batch, _plain, _setup
 
-from compiled_attn.decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from compiled_attn.plan import plan_decode
+from compiled_attn.runners.decode import DecodeGraphs, GraphConfig, RowInput
 
 
 @pytest.fixture(scope="module", params=["tiny-mha", "tiny-mla"])
@@ -148,7 +148,7 @@ def test_cuda_graph_replay_ignores_unowned_and_refuses_bad_slots(model):
 def test_integer_row_inputs_are_checked_slots_unless_they_say_not():
     """An integer per-row input (a write location) is checked against the caches by default; token ids and
     positions opt out with ``slots=False``; floats and bools are never slots."""
-    from compiled_attn.decode_graphs import RowInput
+    from compiled_attn.runners.decode import RowInput
 
     assert RowInput((), torch.int64).slots and RowInput((), torch.int32).slots
     assert not RowInput((), torch.int64, slots=False).slots

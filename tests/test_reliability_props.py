@@ -19,9 +19,9 @@ def _decode_step(q, k, v, table, inputs, form):
     return decode_blocks(q, k, v, build_decode_index(table, inputs), 0.3, form=form)
 
 
-def _extend_step(q, k, v, table, inputs, causal, window, cap, cpu_flash):
-    index = build_extend_tile_index(table, inputs, causal=causal, sliding_window=window, with_mask=not cpu_flash)
-    return extend_tiles(q, k, v, index, 0.3, cap, cpu_flash=cpu_flash)
+def _extend_step(q, k, v, table, inputs, causal, window, cap, form):
+    index = build_extend_tile_index(table, inputs, causal=causal, sliding_window=window, with_mask=form != "kernel")
+    return extend_tiles(q, k, v, index, 0.3, cap, form=form)
 
 
 _compiled_decode = compile_step(_decode_step)
@@ -61,9 +61,9 @@ def _check_extend(reqs, heads, causal, window, cap, seed, value, fn):
                        causal=causal, sliding_window=window, batch_capacity=len(reqs) + seed % 3)
     if meta.num_tokens == 0:
         return
-    cpu_flash = cap is None and seed % 2 == 0  # the CPU flash form has no soft-cap
+    form = "kernel" if cap is None and seed % 2 == 0 else "matmul"  # the kernel has no soft-cap
     tiles = plan_extend_tiles(meta, tile_q=8, tile_k=8, pair_capacity=None if seed % 3 else 256)
-    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, meta.causal, meta.sliding_window, cap, cpu_flash)
+    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, meta.causal, meta.sliding_window, cap, form)
     clean = fn(*args)
     n, i = len(reqs), meta.inputs
     _poison(b, i.req_rows[:n], i.kv_lo[:n], i.kv_lo[:n] + i.kv_len[:n], value)

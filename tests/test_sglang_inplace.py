@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa:
 from sglang_compare import run_forward  # noqa: E402
 
 import compiled_attn.decode as decode  # noqa: E402
-from compiled_attn.native_decode import native_available  # noqa: E402
+from compiled_attn.kernels.cpu.kernel import native_available  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from compiled_attn.bench.ops_verify import random_tree  # noqa: E402
 from compiled_attn.sglang.backend import CompiledAttnBackend  # noqa: E402
 from compiled_attn.sglang.speculative import mask_layout  # noqa: E402
 from compiled_attn.verify import chain_mask  # noqa: E402
-from compiled_attn.verify_masks import mask_numel  # noqa: E402
+from compiled_attn.verify_plan import mask_numel  # noqa: E402
 
 SG = H.import_sglang()
 PREFIX = [5, 0, 40, 17]
@@ -144,7 +144,7 @@ def test_target_verify_soft_cap_and_bf16(monkeypatch):
     head, head size 64), whose prefix and draft block the C++ kernel computes in its merged op (on its AMX tile path
     where the CPU has one), checked by a spy; both against the float64 reference."""
     import compiled_attn.verify as verify_mod
-    from compiled_attn.native_decode import native_available
+    from compiled_attn.kernels.cpu.kernel import native_available
 
     calls = spy_calls(monkeypatch, verify_mod, "native_decode_blocks")
     g = H.GEOMETRIES["gqa"]

@@ -369,7 +369,7 @@ def test_every_form_reads_the_translated_index(form, page_size):
     Triton's interpreter: they read each request's range from the index's table, which holds the translated slots:
     decode's block slots as one row, verify's each row's window) equal to the matmul form over the same caches with
     every freed slot cleaned (whatever a form reads of them is masked, and must leave no NaN)."""
-    from compiled_attn.native_decode import native_available
+    from compiled_attn.kernels.cpu.kernel import native_available
 
     if form == "triton":
         from triton_interpret import import_kernels

@@ -47,14 +47,14 @@ def test_decode_sinks_bf16_and_window():
 
 @pytest.mark.parametrize("tile_q", [None, 32])
 @pytest.mark.parametrize("prefix", [[0, 0], [40, 7]])
-@pytest.mark.parametrize("cpu_flash", [True, False])
-def test_extend_sinks(prefix, cpu_flash, tile_q):
+@pytest.mark.parametrize("form", ["kernel", "matmul"])
+def test_extend_sinks(prefix, form, tile_q):
     """No prefix: the first tiles take the kernel's own causal path; with a prefix: folded spans merged; with 32-row
     tiles the long request is one causal square (after its prefix: a trapezoid, the sinks applied to its merge)."""
     b = make_batch([300, 70], prefix, hq=8, hkv=2, dqk=32)
     sinks = _sinks(8, 2)
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
-    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, cpu_flash=cpu_flash,
+    out = extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, 32 ** -0.5, form=form,
                        sinks=sinks, tile_q=tile_q)
     torch.testing.assert_close(out.double(), _ref(b, sinks=sinks), atol=1e-5, rtol=1e-5)
 

@@ -12,7 +12,7 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.forms import choose_form
-from compiled_attn.native_decode import native_available
+from compiled_attn.kernels.cpu.kernel import native_available
 from compiled_attn.verify import (
     build_verify_index,
     chain_mask,

@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import assign_requests
 from compiled_attn.bench.ops_verify import random_tree
-from compiled_attn.decode_graphs import GraphConfig, RowInput
+from compiled_attn.runners.decode import GraphConfig, RowInput
+from compiled_attn.runners.verify import VerifyGraphs, VerifyKey, verify_inputs_of
 from compiled_attn.verify import build_verify_index, plan_verify, verify_blocks
-from compiled_attn.verify_graphs import VerifyGraphs, VerifyKey, verify_inputs_of
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D ** -0.5

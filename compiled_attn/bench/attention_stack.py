@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..decode import build_decode_index, decode_blocks
-from ..kv_pool import write_kv
-from ..metadata import DecodeInputs
+from ..kv import write_kv
+from ..plan import DecodeInputs
 from .models import AttnShape
 
 

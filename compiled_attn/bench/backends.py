@@ -22,21 +22,20 @@ from graphs import cdiv
 from profiling import range as prange
 
 from ..decode import build_decode_index, decode_blocks
-from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from ..extend import (
     ExtendTileInputs,
     build_extend_tile_index,
     default_tile_q,
     extend_tiles,
-    supports_tile_flash,
     tile_index,
 )
-from ..extend_graphs import ExtendGraphConfig, ExtendGraphs
-from ..kv_pool import PAD_SLOT
-from ..metadata import DecodeInputs
-from ..plan import plan_decode, plan_extend
+from ..forms import choose_extend_form
+from ..plan import DecodeInputs, plan_decode, plan_extend
+from ..runners.decode import DecodeGraphs, GraphConfig, RowInput
+from ..runners.extend import ExtendGraphConfig, ExtendGraphs
 from .loop_baseline import loop_decode, loop_extend
 from .models import AttnFn, DecoderBase
+from .pools import PAD_SLOT
 
 BACKENDS = ("loop", "eager", "compiled")
 
@@ -127,12 +126,12 @@ class EagerBackend(LoopBackend):
             q = _q_like(int(batch.ext_lens.sum()), hq, dqk, k_cache)
             meta = plan_extend(q, k_cache, v_cache, req_to_token, batch.rows, batch.seq_lens, batch.prefix_lens,
                                batch.ext_lens)
-            flash = supports_tile_flash(q, k_cache, v_cache, None)
-            index = tile_index(req_to_token, meta, flash)
+            form = choose_extend_form(q, k_cache, v_cache, None).form
+            index = tile_index(req_to_token, meta, form)
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
             with prange("attn", layer=layer):
-                return extend_tiles(q, k_cache, v_cache, index, scale, cpu_flash=flash)
+                return extend_tiles(q, k_cache, v_cache, index, scale, form=form)
         return attn
 
     def decode_attn(self, model, caches, req_to_token, batch: DecodeBatch) -> AttnFn:
@@ -169,23 +168,24 @@ def make_decode_step(model: DecoderBase):
     return step
 
 
-def make_extend_step(model: DecoderBase, flash: bool):
+def make_extend_step(model: DecoderBase, form: str):
     """The compiled prefill step: ``step(inputs, persistent) -> hidden [num_tokens, hidden]``, the last layer's
     hidden states. The lm_head runs outside on each request's last row: the step's shapes then follow the token
     bucket alone, not the request count.
 
     inputs: the pair list of ``ExtendGraphs`` (``ExtendTileInputs``) plus ``tokens``, ``positions``, ``out_loc``
-    ([num_tokens] int64); persistent: ``req_to_token`` and the model's caches. flash: the CPU flash form (its
-    index needs no mask). Batches without a cached prefix: the MLA model decompresses exactly the new tokens'
-    slots (``out_loc``; padded tokens decompress the padding slot, which no request reads).
+    ([num_tokens] int64); persistent: ``req_to_token`` and the model's caches. form: "kernel" or "matmul"
+    (``forms.choose_extend_form``; the kernel's index needs no mask). Batches without a cached prefix: the MLA
+    model decompresses exactly the new tokens' slots (``out_loc``; padded tokens decompress the padding slot, which
+    no request reads).
     """
 
     def step(inputs, persistent):
         index = build_extend_tile_index(persistent["req_to_token"], ExtendTileInputs.of(inputs), causal=True,
-                                        sliding_window=None, with_mask=not flash)
+                                        sliding_window=None, with_mask=form != "kernel")
 
         def attn(layer, q, k_cache, v_cache, scale, v_shares_k=False):
-            return extend_tiles(q, k_cache, v_cache, index, scale, cpu_flash=flash)
+            return extend_tiles(q, k_cache, v_cache, index, scale, form=form)
 
         loc = inputs["out_loc"]
         return model.hidden(inputs["tokens"], inputs["positions"], loc, persistent, attn, "extend", kv_slots=loc)
@@ -231,13 +231,13 @@ class CompiledBackend(EagerBackend):
 
     def _setup_prefill(self, model, persistent, device, max_context, rows) -> dict:
         hq, dqk, k_cache, v_cache = model.extend_attn_spec(persistent)
-        flash = supports_tile_flash(_q_like(1, hq, dqk, k_cache), k_cache, v_cache, None)
+        form = choose_extend_form(_q_like(1, hq, dqk, k_cache), k_cache, v_cache, None).form
         c = self.config
         config = self.extend_config or ExtendGraphConfig(
             max_tokens=c.max_batch_size * max_context, max_context_len=max_context, max_requests=c.max_batch_size,
-            tile_q=default_tile_q(flash), enable_torch_compile=c.enable_torch_compile,
+            tile_q=default_tile_q(form), enable_torch_compile=c.enable_torch_compile,
             disable_cuda_graph=c.disable_cuda_graph, progress=c.progress, measure_compile=c.measure_compile)
-        self.extend_graphs = ExtendGraphs(make_extend_step(model, flash), config=config, device=device,
+        self.extend_graphs = ExtendGraphs(make_extend_step(model, form), config=config, device=device,
                                           token_inputs={**rows, "out_loc": RowInput((), torch.int64, PAD_SLOT,
                                                                                     slots=True)})
         keys = None

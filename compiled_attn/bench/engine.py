@@ -17,9 +17,9 @@ import torch
 
 from profiling import range as prange
 
-from ..kv_pool import ReqToTokenTable, SlotAllocator
 from .backends import DecodeBatch, ExtendBatch
 from .models import DecoderBase
+from .pools import ReqToTokenTable, SlotAllocator
 
 
 @dataclass

@@ -35,7 +35,7 @@ import profiling
 from profiling.host import CpuShare, add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, noise_verdict, round_ratios, spread
 
-from ..decode_graphs import GraphConfig
+from ..runners.decode import GraphConfig
 from .backends import BACKENDS, make_backend
 from .contend import contend, describe
 from .engine import Engine

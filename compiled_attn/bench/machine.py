@@ -9,7 +9,7 @@ import torch
 
 from profiling.host import last_level_cache_bytes
 
-from ..native_decode import cpu_isa_levels
+from ..kernels.cpu.kernel import cpu_isa_levels
 
 #: ``/proc/cpuinfo`` flags that decide which kernel paths run (ours and SGLang's)
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",

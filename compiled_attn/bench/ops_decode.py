@@ -20,10 +20,9 @@ from profiling.timers import median, time_interleaved
 
 from ..compile_policy import compile_step
 from ..decode import build_decode_index, decode_blocks
-from ..kv_dtype import FP8_DTYPES
-from ..metadata import DecodeInputs
-from ..native_decode import native_fits
-from ..plan import plan_decode
+from ..kernels.cpu.kernel import native_fits
+from ..kv import FP8_DTYPES
+from ..plan import DecodeInputs, plan_decode
 from . import sglang_kit
 from .batches import make_batch
 from .loop_baseline import loop_decode

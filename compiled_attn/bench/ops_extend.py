@@ -15,7 +15,8 @@ import torch
 from profiling.timers import median, time_fn, time_interleaved
 
 from ..compile_policy import compile_step
-from ..extend import build_extend_tile_index, default_tile_q, extend_tiles, plan_extend_tiles, supports_tile_flash
+from ..extend import build_extend_tile_index, default_tile_q, extend_tiles, plan_extend_tiles
+from ..forms import choose_extend_form
 from ..plan import plan_extend
 from .batches import make_batch
 from .loop_baseline import loop_extend
@@ -35,9 +36,9 @@ def _lengths(bs: int, new_kind: str, prefix_kind: str, seed: int) -> tuple[list[
     return new, prefix
 
 
-def _step(q, k_cache, v_cache, table, inputs, scale, flash):
-    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=not flash)
-    return extend_tiles(q, k_cache, v_cache, index, scale, cpu_flash=flash)
+def _step(q, k_cache, v_cache, table, inputs, scale, form):
+    index = build_extend_tile_index(table, inputs, causal=True, sliding_window=None, with_mask=form != "kernel")
+    return extend_tiles(q, k_cache, v_cache, index, scale, form=form)
 
 
 def matmul_gflops(n: int = 2048) -> float:
@@ -52,13 +53,13 @@ def bench_extend_case(op: str, bs: int, new_kind: str, prefix_kind: str, *, iter
     b = make_batch([n + p for n, p in zip(new, prefix, strict=True)], prefix, hq=hq, hkv=hkv, dqk=dqk, dv=dv,
                    seed=seed)
     scale = dqk ** -0.5
-    flash = supports_tile_flash(b.q, b.k_cache, b.v_cache, None)
+    form = choose_extend_form(b.q, b.k_cache, b.v_cache, None).form
     start = time.perf_counter()
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
-    tiles = plan_extend_tiles(meta, tile_q=default_tile_q(flash))
+    tiles = plan_extend_tiles(meta, tile_q=default_tile_q(form))
     plan_ms = (time.perf_counter() - start) * 1e3
     at64 = plan_extend_tiles(meta, tile_q=64, tile_k=64)
-    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, scale, flash)
+    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, tiles.inputs, scale, form)
     compiled = compile_step(_step)
 
     def loop():

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
-from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
 from ..plan import plan_decode
+from ..runners.decode import DecodeGraphs, GraphConfig, RowInput
 from .attention_stack import make_caches, make_stack_step
 from .models import ATTN_PRESETS, AttnShape, get_attention_shape
 from .report import OneLineParser, check_writable, int_at_least

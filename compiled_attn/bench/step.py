@@ -21,9 +21,9 @@ import torch
 from profiling.host import add_malloc_flag, tune_malloc
 from profiling.timers import format_table, median, time_fn, time_interleaved
 
-from ..compile_policy import compile_step, load_artifacts, save_artifacts, set_cache_dir
-from ..decode_graphs import DecodeGraphs, GraphConfig, RowInput
+from ..compile_policy import compile_step
 from ..plan import plan_decode
+from ..runners.decode import DecodeGraphs, GraphConfig, RowInput
 from .attention_stack import make_caches, make_stack_step
 from .batches import assign_requests
 from .models import ATTN_PRESETS, AttnShape, get_attention_shape
@@ -195,3 +195,36 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# inductor's caches across restarts (the second start compiles less)
+
+def set_cache_dir(path: str | None) -> None:
+    """Point inductor's on-disk caches at ``path`` (kept across restarts, so the second start compiles less)."""
+    if path:
+        os.makedirs(path, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+
+
+def save_artifacts(path: str) -> bool:
+    """Save inductor's compiled artifacts of this process to ``path``; False when torch lacks the API."""
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    if save is None:
+        return False
+    result = save()
+    if result is None:
+        return False
+    data, _info = result
+    with open(path, "wb") as f:
+        f.write(data)
+    return True
+
+
+def load_artifacts(path: str) -> bool:
+    """Load artifacts saved by ``save_artifacts`` (hot-loads the caches); False when absent or unsupported."""
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None or not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        load(f.read())
+    return True

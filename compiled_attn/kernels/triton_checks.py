@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_dtype import KV_DTYPES
+from ..kv import KV_DTYPES
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES
 
 MAX_HEAD_DIM = 576

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..kv_dtype import compute_dtype
+from ..kv import compute_dtype
 from .triton_checks import check_extras, check_kv, check_rows, check_settings
 
 COMPUTE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -32,17 +32,23 @@ from .. import (
     KV_DTYPES,
     ExtendTileIndex,
     allow_data_dependent_sizes,
+    choose_extend_form,
     extend_tiles,
     native_available,
     scale_value,
-    supports_tile_flash,
     tile_index,
     v_is_prefix_of_k,
 )
 from ..decode import DecodeIndex, SlotMap, build_decode_index, decode_blocks
-from ..kv_blocks import aligned_kv_lo, gather_unit
-from ..metadata import DecodeInputs
-from ..plan import DEFAULT_BLOCK_SIZE, decode_kv_range, plan_decode, plan_extend
+from ..plan import (
+    DEFAULT_BLOCK_SIZE,
+    DecodeInputs,
+    aligned_kv_lo,
+    decode_kv_range,
+    gather_unit,
+    plan_decode,
+    plan_extend,
+)
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
     GraphState,
@@ -377,9 +383,9 @@ class CompiledAttnBackend(AttentionBackend):
             # save_kv_cache=False): attend over the batch's own K/V
             return extend_over_given_kv(q3, k, v, layer, fb, key, sinks)
         cap = layer_logit_cap(layer)
-        flash = supports_tile_flash(q3, k_cache, v_cache, cap)
+        form = choose_extend_form(q3, k_cache, v_cache, cap).form
         swa = self.is_window_pool_layer(layer)
-        index = state.extend.get((*key, flash, swa))
+        index = state.extend.get((*key, form, swa))
         if index is None:
             meta = plan_extend(q3, k_cache, v_cache, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                fb.extend_prefix_lens, fb.extend_seq_lens, causal=causal, sliding_window=key[0],
@@ -388,9 +394,9 @@ class CompiledAttnBackend(AttentionBackend):
             i = meta.inputs
             if self.swa is not None:
                 self.check_full_slots(i.req_rows, i.kv_lo, i.kv_lo + i.kv_len)
-            index = state.extend[(*key, flash, swa)] = tile_index(self.req_to_token, meta, flash,
-                                                                  slot_map=self.swa.slot_map if swa else None)
+            index = state.extend[(*key, form, swa)] = tile_index(self.req_to_token, meta, form,
+                                                                 slot_map=self.swa.slot_map if swa else None)
         k_scale, v_scale = self._layer_scales(layer)
-        o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, cpu_flash=flash, k_scale=k_scale,
+        o = extend_tiles(q3, k_cache, v_cache, index, layer.scaling, cap, form=form, k_scale=k_scale,
                          v_scale=v_scale, sinks=sinks)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import extend_tiles, supports_tile_flash, tile_index
+from .. import choose_extend_form, extend_tiles, tile_index
 from ..decode import SlotMap, translate_slots
-from ..kv_blocks import cdiv, gather_unit, total_blocks_needed
-from ..plan import decode_kv_bounds, normalize_window, plan_extend
+from ..plan import cdiv, decode_kv_bounds, gather_unit, normalize_window, plan_extend, total_blocks_needed
 from ..validate import check_page_layout, check_slots
 
 #: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
@@ -232,7 +231,7 @@ def extend_over_given_kv(q3, k, v, layer, fb, key, sinks=None):
     meta = plan_extend(q3, k3, v3, table, torch.arange(bs, device=q3.device), lens_dev, torch.zeros_like(lens_dev),
                        lens_dev, causal=key[2], sliding_window=key[0])
     cap = layer_logit_cap(layer)
-    flash = supports_tile_flash(q3, k3, v3, cap)
-    o = extend_tiles(q3, k3, v3, tile_index(table, meta, flash), layer.scaling, cap, cpu_flash=flash,
+    form = choose_extend_form(q3, k3, v3, cap).form
+    o = extend_tiles(q3, k3, v3, tile_index(table, meta, form), layer.scaling, cap, form=form,
                      sinks=sinks)
     return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

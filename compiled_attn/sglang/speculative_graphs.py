@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import check_custom_mask, draft_mask_from_custom
-from ..kv_blocks import total_blocks_needed
+from ..plan import total_blocks_needed
 from ..validate import check_kv_end
 from ..verify import VerifyIndex, VerifyInputs, build_verify_index, chain_mask, verify_block_size
 from .backend_util import check_graph_blocks, graph_batch_size, graph_block_capacity, host_int64

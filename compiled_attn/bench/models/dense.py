@@ -5,7 +5,7 @@ about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) runs these proje
 than oneDNN (docs/performance.md). Serving stacks pack their CPU weights for oneDNN too (SGLang's CPU path
 does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses cuBLAS, so only CPU float32 is rerouted.
 
-The oneDNN call sits in an opaque op (``compiled_attn.opaque``) because inductor lowers
+The oneDNN call sits in an opaque op (``compiled_attn.compile_policy``) because inductor lowers
 ``mkldnn._linear_pointwise`` only for weights it packed itself (under freezing); as an opaque op the compiled step
 calls the same kernel the eager backends do.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...opaque import opaque_op
+from ...compile_policy import opaque_op
 
 # a property of this torch build, read once: dynamo will not trace the query inside a compiled step
 _ONEDNN = torch.backends.mkldnn.is_available()

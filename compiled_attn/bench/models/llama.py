@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kv_pool import MHAKVPool, write_kv
+from ...kv import write_kv
+from ..pools import MHAKVPool
 from .config import ModelConfig
 from .dense import linear
 from .layers import AttnFn, DecoderBase, Rotary, WeightInit

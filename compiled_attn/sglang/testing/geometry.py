@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ...kv_pool import SlotAllocator
+from ...bench.pools import SlotAllocator
 from .runtime import import_sglang
 
 # --------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...kv_pool import SlotAllocator
+from ...bench.pools import SlotAllocator
 from .geometry import AttnGeometry, make_model_runner
 
 

@@ -22,14 +22,25 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BucketedGraphs, BufferSpec, GraphRunner, RunnerStats, StaticBuffers, cdiv, kv_capacities
+from graphs import (
+    BucketedGraphs,
+    BufferSpec,
+    GraphRunner,
+    RowInput,
+    RunnerStats,
+    StaticBuffers,
+    cache_slots,
+    cdiv,
+    check_row_specs,
+    check_row_values,
+    kv_capacities,
+)
 
-from . import validate
-from .compile_policy import compile_step
-from .decode_graphs import RowInput, cache_slots, check_row_specs, check_row_values, warmup_width
-from .extend import PAIR_FIELDS, ExtendTileInputs, default_tile_q, pad_pairs, plan_extend_tiles
-from .metadata import ExtendInputs, ExtendMetadata
-from .plan import normalize_window
+from .. import validate
+from ..compile_policy import compile_step
+from ..extend import PAIR_FIELDS, ExtendTileInputs, default_tile_q, pad_pairs, plan_extend_tiles
+from ..plan import ExtendInputs, ExtendMetadata, normalize_window
+from .decode import warmup_width
 
 
 class ExtendKey(NamedTuple):
@@ -134,7 +145,7 @@ class ExtendGraphs(BucketedGraphs):
         super().__init__(step_fn, config=config, device=device, compile_fn=compile_step)
         self.causal, self.sliding_window = bool(causal), normalize_window(sliding_window)
         self.check_slots = check_slots
-        self.tile_q = config.tile_q or default_tile_q(self.device.type == "cpu")
+        self.tile_q = config.tile_q or default_tile_q("kernel" if self.device.type == "cpu" else "matmul")
         self.tile_k = config.tile_k
         self.token_capacities = kv_capacities(config.max_tokens, min_kv_tokens=config.min_tokens,
                                               growth=config.token_growth)

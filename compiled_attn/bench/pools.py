@@ -1,10 +1,5 @@
-"""KV-cache pools and the request-to-token table, in SGLang's token-granular layout (page size 1).
-
-Layout (per layer):
-- MHA/GQA: ``k: [num_slots, num_kv_heads, head_dim]``, ``v: [num_slots, num_kv_heads, v_head_dim]``.
-- MLA: one latent cache ``kv: [num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (576 for DeepSeek-V2/V3);
-  V is the *view* ``kv[..., :kv_lora_rank]``, never a copy.
-- ``req_to_token: [max_reqs, max_context_len]`` int32 maps (request row, position) to a slot.
+"""KV pools and the request-to-token table of this project's own models (``bench/models``) and engine loop, in
+SGLang's token-granular layout (``kv``): a served SGLang engine brings its own.
 
 Slot 0 and request row 0 are reserved: padded batch rows of a captured graph point there, so a padded row reads
 finite, harmless data and never touches a live request's cache.
@@ -15,35 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import validate
-from .kv_dtype import FP8_DTYPES
+from ..kv import write_kv
 
 PAD_SLOT = 0
 PAD_REQ_ROW = 0
-
-
-def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor, scale: float | None = None) -> None:
-    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write),
-    stored as ``new / scale`` in the cache's dtype (float8 caches: the per-layer scale the readers multiply back).
-
-    Padded rows of a bucket write to ``PAD_SLOT``; that is harmless because the slot is never read as real data.
-    Outside compiled code and CUDA-graph capture, ``loc`` is checked to lie in ``[0, num_slots)`` (a host read; on
-    CUDA a sync): an index of -1 would otherwise overwrite the last slot. Inside a compiled or captured step the
-    caller checks it before the step (``DecodeGraphs.run`` does, for a ``RowInput(..., slots=True)``).
-    """
-    if not _in_graph(loc):
-        validate.check_slot_values("loc (out_cache_loc)", loc, cache.shape[0])
-    stored = (new if scale is None or scale == 1.0 else new / scale).to(cache.dtype)
-    if cache.dtype in FP8_DTYPES:  # ATen has no float8 index_copy on CPU: write the same bytes as uint8
-        cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
-    cache.index_copy_(0, loc.to(torch.int64), stored)
-
-
-def _in_graph(t: torch.Tensor) -> bool:
-    """Inside torch.compile tracing or a CUDA-graph capture, where a host read is impossible."""
-    if torch.compiler.is_compiling():
-        return True
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class SlotAllocator:

@@ -30,9 +30,8 @@ import contextlib
 
 import torch
 
-from .kv_dtype import compute_dtype, dequantize, gather_rows
-from .merge import apply_sinks, merge_two
-from .opaque import opaque_op
+from ...compile_policy import opaque_op
+from ...kv import compute_dtype, dequantize, gather_rows
 
 _aten_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -66,13 +65,17 @@ def span_keys_for(num_kv_heads: int, head_dim: int) -> int:
     return max(64, SPAN_BYTES // (num_kv_heads * head_dim * 4))
 
 
-def supports_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        logit_cap: float | None) -> bool:
-    """ATen's CPU flash kernel has no soft-cap and needs one head size for Q, K and V: a narrower V (MLA-normal
-    192/128) is zero-padded to Dqk after the gather and the output sliced back; the padded columns cost less than
-    the matmul form."""
-    return (q.device.type == "cpu" and logit_cap is None
-            and q.shape[-1] == k_cache.shape[-1] >= v_cache.shape[-1])
+def tile_flash_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float | None) -> str:
+    """Why ``ragged_tile_flash`` cannot serve an extend call, or "" where it can. ATen's CPU flash kernel has no
+    soft-cap and needs one head size for Q, K and V: a narrower V (MLA-normal 192/128) is zero-padded to Dqk after
+    the gather and the output sliced back (the padded columns cost less than the matmul form)."""
+    if q.device.type != "cpu":
+        return f"not a CPU call ({q.device.type})"
+    if logit_cap is not None:
+        return "a soft-cap (ATen's flash kernel has none)"
+    if not q.shape[-1] == k_cache.shape[-1] >= v_cache.shape[-1]:
+        return "V's head size above K's"
+    return ""
 
 
 def _runs(q_start: list[int], k_count: list[int]) -> list[tuple[int, int]]:
@@ -295,3 +298,26 @@ def _ragged_tile_flash_fake(q, k_cache, v_cache, slots, q_start, q_count, k_coun
                             causal, window, k_scale=1.0, v_scale=1.0, sinks=None):
     hkv = k_cache.shape[1]
     return q.new_empty((q.shape[0], hkv, q.shape[1] // hkv, v_cache.shape[2]), dtype=torch.float32)
+
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A normalised output ``o: [..., Dv]`` with its rows' log-sum-exp ``lse: [...]`` after the sinks (broadcast
+    against ``lse``) join the denominator: ``o * e^lse / (e^lse + e^sink) = o * sigmoid(lse - sink)``, float32."""
+    o = o.float()
+    if sinks is None:
+        return o
+    return o * torch.sigmoid(lse - sinks)[..., None]
+
+
+def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two normalised partial softmaxes of the same rows -> one (log-sum-exp rule); a row with no key on either
+    side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]. One pass over the outputs (``lerp``): on a
+    shared 2-core machine every large elementwise op is a parallel region that can stall on a descheduled thread,
+    so the weights are computed on the small ``lse`` tensors. ``out``: where the merged o is written (any strides,
+    o_a's shape), else a new tensor."""
+    m = torch.maximum(lse_a, lse_b).clamp_min(torch.finfo(torch.float32).min)  # finite: no inf - inf
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    den = w_a + w_b
+    o = torch.lerp(o_a, o_b, (w_b / den.clamp_min(torch.finfo(torch.float32).tiny))[..., None], out=out)
+    return o, m + torch.log(den)

@@ -40,12 +40,13 @@ import warnings
 
 import torch
 
+from ...compile_policy import opaque_op
+
 # the build's names re-exported: callers and tests find them here
-from .native_build import CACHE_ENV as CACHE_ENV
-from .native_build import SOURCE as SOURCE
-from .native_build import KernelLibrary, _cpu_flags, build, load
-from .native_build import cache_dir as cache_dir
-from .opaque import opaque_op
+from .build import CACHE_ENV as CACHE_ENV
+from .build import SOURCE as SOURCE
+from .build import KernelLibrary, _cpu_flags, build, load
+from .build import cache_dir as cache_dir
 
 ENABLE_ENV = "COMPILED_ATTN_NATIVE"
 ISA_ENV = "COMPILED_ATTN_ISA"

@@ -27,20 +27,11 @@ from typing import NamedTuple
 
 import torch
 
-from graphs import BucketedGraphs, BufferSpec, StaticBuffers
+from graphs import BucketedGraphs, BufferSpec, RowInput, StaticBuffers, cache_slots, check_row_specs, check_row_values
 
-from .compile_policy import compile_step
-from .decode_graphs import (
-    GraphConfig,
-    RowInput,
-    cache_slots,
-    check_config,
-    check_row_specs,
-    check_row_values,
-    reachable_keys,
-    warmup_width,
-)
-from .verify import VerifyInputs, VerifyMetadata, plan_verify
+from ..compile_policy import compile_step
+from ..verify import VerifyInputs, VerifyMetadata, plan_verify
+from .decode import GraphConfig, check_config, reachable_keys, warmup_width
 
 #: the per-request fields of ``VerifyInputs`` (block_ids and block_offsets are unbatched aranges)
 ROW_FIELDS = ("req_rows", "prefix_lens", "draft_mask")

@@ -1,4 +1,4 @@
-"""KV-cache storage dtypes: how a gathered K/V tile becomes what the attention kernels read.
+"""The KV cache: its storage dtypes (how a gathered K/V tile becomes what a kernel reads) and its write.
 
 - float32, bfloat16, float16 caches are read as they are when the kernel computes in their dtype: ATen's CPU flash
   kernel takes bf16/fp16 inputs and accumulates in float32, so a half-precision query over a cache of its dtype
@@ -8,14 +8,21 @@
   few L2-sized blocks a kernel call reads, so the cache is read once at one byte per element.
 
 Pure helpers over tensors; the scales are Python floats (per layer, fixed for a server's life).
+
+Layout (per layer, SGLang's): MHA/GQA ``k: [num_slots, num_kv_heads, head_dim]``, ``v: [num_slots, num_kv_heads,
+v_head_dim]``; MLA one latent cache ``kv: [num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` whose V is the view
+``kv[..., :kv_lora_rank]``; ``req_to_token: [max_reqs, max_context_len]`` int32 maps (request row, position) to a
+slot. Pools that hold them for this project's own models: ``bench/pools.py``.
 """
 from __future__ import annotations
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from . import validate
+from .validate import FP8_DTYPES as FP8_DTYPES
+from .validate import KV_DTYPES as KV_DTYPES
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-KV_DTYPES = (torch.float32, *HALF_DTYPES, *FP8_DTYPES)
 
 
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
@@ -88,3 +95,29 @@ def scale_value(scale) -> float | None:
             raise ValueError(f"KV scale must be one number per layer, got a tensor of shape {tuple(scale.shape)}")
         return float(scale.detach().cpu())
     return float(scale)
+
+
+
+
+def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor, scale: float | None = None) -> None:
+    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write),
+    stored as ``new / scale`` in the cache's dtype (float8 caches: the per-layer scale the readers multiply back).
+
+    Padded rows of a bucket write to the padding slot (0, reserved: never read as real data).
+    Outside compiled code and CUDA-graph capture, ``loc`` is checked to lie in ``[0, num_slots)`` (a host read; on
+    CUDA a sync): an index of -1 would otherwise overwrite the last slot. Inside a compiled or captured step the
+    caller checks it before the step (``DecodeGraphs.run`` does, for a ``RowInput(..., slots=True)``).
+    """
+    if not _in_graph(loc):
+        validate.check_slot_values("loc (out_cache_loc)", loc, cache.shape[0])
+    stored = (new if scale is None or scale == 1.0 else new / scale).to(cache.dtype)
+    if cache.dtype in FP8_DTYPES:  # ATen has no float8 index_copy on CPU: write the same bytes as uint8
+        cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+    cache.index_copy_(0, loc.to(torch.int64), stored)
+
+
+def _in_graph(t: torch.Tensor) -> bool:
+    """Inside torch.compile tracing or a CUDA-graph capture, where a host read is impossible."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
