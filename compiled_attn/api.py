@@ -55,12 +55,13 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                      extend_seq_lens, *, scale=None, causal=True, sliding_window=None, logit_cap=None,
                      encoder_lens=None, is_cross_attn=False, page_size=1, k_scale=None,
-                     v_scale=None, sinks=None) -> torch.Tensor:
+                     v_scale=None, sinks=None, form=None) -> torch.Tensor:
     """Attention of each request's new tokens over its cached prefix and themselves.
 
     q: [num_tokens, Hq, Dqk], request i's queries (positions ``[extend_prefix_lens[i], seq_lens[i])``) packed in
     request order; caches, table, ``page_size``, scales and sinks as in ``decode_attention``; the new tokens' K/V must
-    already be written. Returns ``[num_tokens, Hq, Dv]`` in q.dtype.
+    already be written. form: one of ``forms.EXTEND_FORMS`` (None: chosen, ``forms.choose_extend_form``). Returns
+    ``[num_tokens, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
     validate.check_scales(k_scale, v_scale)
@@ -68,4 +69,4 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                        extend_seq_lens, causal=causal, sliding_window=sliding_window, encoder_lens=encoder_lens,
                        is_cross_attn=is_cross_attn, page_size=page_size)
     return extend_tiled(q, k_cache, v_cache, req_to_token, meta, softmax_scale(scale, q.shape[2]), logit_cap,
-                        k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                        k_scale=k_scale, v_scale=v_scale, sinks=sinks, form=form)

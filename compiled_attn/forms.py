@@ -1,18 +1,12 @@
-"""Which code computes a decode-like call (a decode step, verify's prefix), and why: ``choose_form``.
+"""Which code computes a call, and why: ``choose_form`` (decode, verify's prefix) and ``choose_extend_form``.
 
-One kernel per device:
-- ``kernel``: on CPU, the C++ kernel (``native_decode``), reading K/V in place on one of its paths
-  (``native_decode.PATHS``: ``tile`` AMX bf16 products, ``wide`` float32 outer products, ``vector_bf16``
-  AVX512-BF16 pair products, ``vector`` float32 products), chosen by ``native_decode.kernel_path``.
-- ``triton``: on CUDA, the Triton kernels (``kernels/triton_decode.py``), reading each request's range from device
-  memory and skipping every block past it (a graph's block capacity then costs nothing past the real lengths).
-- ``matmul``: the portable PyTorch form, gathered blocks and batched matmuls (inductor fuses it): any other device,
-  CUDA without Triton, a CPU without the kernel (no compiler, ``COMPILED_ATTN_NATIVE=0``) or a call it refuses.
-
-The dispatchers (``decode.decode_blocks``, ``verify.verify_blocks``) run what ``choose_form`` returns, and tests ask
-it what a call will run instead of predicting from CPU flags. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct
-choice once per process (at trace time for a compiled step): the site, the shapes and dtypes, the form, the path
-and the reason.
+One kernel per device: ``kernel`` on CPU (decode and verify: the C++ kernel, ``kernels/cpu/kernel.py``, on the path
+``kernel_path`` picks; extend: ATen's flash kernel over tile spans, ``kernels/cpu/extend_flash.py``), ``triton`` on
+CUDA (``kernels/triton_decode.py``: each request's blocks up to its length), and ``matmul``, the portable PyTorch
+form (gathered blocks and batched matmuls, fused by inductor) wherever no kernel serves the call. ``form="auto"``
+chooses; a form's name runs it. The dispatchers run what these return, and tests ask them what a call will run
+instead of predicting from CPU flags. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct choice once per process (at
+trace time for a compiled step): the site, the shapes and dtypes, the form, the path and the reason.
 """
 from __future__ import annotations
 
@@ -41,8 +35,8 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FormChoice:
-    """form: one of ``FORMS`` but "auto"; path: the kernel's path (``native_decode.PATHS``) with form ``kernel``,
-    else ""; reason: why, in one line."""
+    """form: one of ``FORMS`` but "auto"; path: the kernel's path (``kernels.cpu.kernel.PATHS``; extend:
+    ``flash_tiles``) with form ``kernel``, else ""; reason: why, in one line."""
 
     form: str
     path: str

@@ -1,27 +1,15 @@
 """Multi-token decode ("verify") for speculative decoding: ``k`` draft tokens per request over its cached prefix.
 
-Each request has ``k`` new query tokens (``k`` = the draft token count, the same for the whole batch) whose K/V are
-already written at positions ``[prefix_len, prefix_len + k)`` of its req_to_token row. Every query sees the whole
-prefix ``[0, prefix_len)``; among the ``k`` new keys it sees either the causal chain (topk 1: query ``i`` sees draft
-keys ``j <= i``) or what a per-request tree mask allows (SGLang's ``spec_info.custom_mask``).
-
-Why not ``k`` decode steps or an extend: verify is bound by reading the prefix's K/V, so the prefix is cut into
-decode's split-KV blocks (``build_decode_index``) and each block is read ONCE for all ``k`` queries of its
-request: the queries are grouped ``[Hkv, k * group, D]`` against one K block (GQA's grouping with ``k`` times the
-rows). The ``k`` draft keys form one extra tiny "draft block" per request, masked by the chain/tree, and the
-prefix blocks and the draft block are merged with the log-sum-exp rule (``decode.merge_blocks``).
-
-The forms are decode's, chosen by ``forms.choose_form``: on CPU the C++ kernel reads the prefix blocks in place
-and computes the draft block too, both merged in the one call (MLA's latent included); on CUDA the Triton kernel
-(prefix and draft keys, each request's blocks up to its length); elsewhere, or where no kernel serves the call, a
-matmul form over the blocks and the draft block as a small matmul (``k`` keys).
-Everything after ``plan_verify`` (``verify_plan``: the host's checks and padding) is tensor code with static shapes
-per (batch capacity, ``k``, block capacity): no ``.item()``, no host sync.
+Request b's ``k`` queries (their K/V already written at positions ``[prefix_len, prefix_len + k)``) see the whole
+prefix and, among the draft keys, the causal chain or what SGLang's tree mask allows. Verify is bound by reading
+the prefix, so the prefix is cut into decode's split-KV blocks (``build_decode_index``) and each block is read once
+for all ``k`` queries, grouped ``[Hkv, k * group, D]``; the draft keys form one small masked block per request,
+merged with the prefix blocks by log-sum-exp. The forms are decode's (``forms.choose_form``): the C++ kernel on CPU
+(prefix and draft block in one call), the Triton kernel on CUDA, else the matmul form. After ``plan_verify``
+(``verify_plan``) everything is tensor code with static shapes per (batch capacity, ``k``, block capacity).
 
 Sliding-window layers: each draft token's window starts at its own position, so the prefix blocks cover only what
 every token sees and the few keys below them join the draft block under a per-row mask (``build_verify_index``).
-
-Custom mask layouts: ``verify_masks``.
 """
 from __future__ import annotations
 

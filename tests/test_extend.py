@@ -7,9 +7,11 @@ from reference import reference_attention
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
+from compiled_attn.api import extend_attention
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.compile_policy import compile_step
 from compiled_attn.extend import build_extend_tile_index, extend_tiled, extend_tiles, plan_extend_tiles
+from compiled_attn.forms import choose_extend_form
 from compiled_attn.plan import plan_extend
 
 SHAPES = {  # name: (hq, hkv, dqk, dv)
@@ -28,7 +30,7 @@ def _run(b, form="matmul", *, causal=True, sliding_window=None, is_cross_attn=Fa
                        causal=causal, sliding_window=sliding_window, encoder_lens=b.encoder_lens,
                        is_cross_attn=is_cross_attn)
     scale = b.q.shape[2] ** -0.5 if scale is None else scale
-    return extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, scale, logit_cap, form=FORMS[form],
+    return extend_tiled(b.q, b.k_cache, b.v_cache, b.req_to_token, meta, scale, logit_cap, form=FORMS.get(form, form),
                         **kw)
 
 
@@ -69,8 +71,37 @@ def test_logit_cap_matmul_form(cap):
     b.q.mul_(4)  # big logits so the cap matters
     _check(b, "matmul", logit_cap=cap, tile_q=8, tile_k=8)
     _check(b, "matmul", logit_cap=cap, sliding_window=9, tile_q=8, tile_k=8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"form='kernel': ATen's CPU flash kernel cannot serve this call \(a soft-cap"):
         _run(b, "flash", logit_cap=cap)
+    # auto: the matmul form, the same numbers as naming it
+    torch.testing.assert_close(_run(b, "auto", logit_cap=cap, tile_q=8, tile_k=8),
+                               _run(b, "matmul", logit_cap=cap, tile_q=8, tile_k=8), atol=0, rtol=0)
+
+
+def test_choose_extend_form_names_the_form_and_why():
+    """One decision for extend, as for decode: the kernel where it serves the call, else the matmul form, each with
+    its reason; a form the call cannot run, or a name extend has no form for, is a ValueError naming it."""
+    b = make_batch([12, 5], hq=4, hkv=2)
+    choice = choose_extend_form(b.q, b.k_cache, b.v_cache, None)
+    assert (choice.form, choice.path) == ("kernel", "flash_tiles") and "serves it" in choice.reason
+    named = choose_extend_form(b.q, b.k_cache, b.v_cache, None, "kernel")
+    assert named.reason.startswith("ATen's CPU flash kernel given")
+    capped = choose_extend_form(b.q, b.k_cache, b.v_cache, 30.0)
+    assert (capped.form, capped.path) == ("matmul", "") and "soft-cap" in capped.reason
+    wide_v = torch.zeros(*b.v_cache.shape[:2], 2 * b.v_cache.shape[2])
+    assert "V's head size" in choose_extend_form(b.q, b.k_cache, wide_v, None).reason
+    assert choose_extend_form(b.q, b.k_cache, b.v_cache, None, "matmul").form == "matmul"
+    assert choose_extend_form(b.q, b.k_cache, b.v_cache, None, None).form == "kernel"
+    for bad in ("triton", "flash", True):
+        with pytest.raises(ValueError, match="form must be one of .'auto', 'kernel', 'matmul'. for extend"):
+            choose_extend_form(b.q, b.k_cache, b.v_cache, None, bad)
+    # the one-call function takes the same names
+    args = (b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens)
+    ref = _ref(b, scale=b.q.shape[2] ** -0.5)
+    for form in ("kernel", "matmul"):
+        assert (extend_attention(*args, form=form).double() - ref).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="form='kernel'"):
+        extend_attention(*args, form="kernel", logit_cap=5.0)
 
 
 def test_matmul_form_needs_the_mask():

@@ -1,4 +1,4 @@
-"""Bucketed verify steps (speculative decoding's ``k`` draft tokens per request): the twin of ``decode_graphs``.
+"""Bucketed verify steps (speculative decoding's ``k`` draft tokens per request): the twin of ``runners.decode``.
 
 A verify step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of ``VerifyInputs``
 (``verify_inputs_of(inputs)`` picks them) plus the caller's per-token inputs (the draft tokens' queries, new K/V,

@@ -1,4 +1,4 @@
-"""Building and loading the C++ decode kernel (``native_decode`` runs it): two translation units, linked into one
+"""Building and loading the C++ decode kernel (``kernel`` runs it): two translation units, linked into one
 shared library per instruction-set level and cached.
 
 - ``csrc/block_partials.cpp`` (with the headers beside it): the kernel, ``-O3 -march=<level> -fopenmp``, compiled

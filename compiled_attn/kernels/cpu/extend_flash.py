@@ -18,8 +18,9 @@ A causal request whose new tokens span ``CAUSAL_SQUARE_TILES`` query tiles or ``
 runs whole (``_trapezoid``): its prefix as one unmasked call, its new tokens as one causal square, merged straight
 into the output rows; no masked diagonal spans.
 
-The loop runs inside an opaque op (``opaque.py``): ``torch.compile`` sees one call, and the op reads its small per-pair
-CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a bucket's padding.
+The loop runs inside an opaque op (``compile_policy.opaque_op``): ``torch.compile`` sees one call, and the op reads
+its small per-pair CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a
+bucket's padding.
 Only the kernel calls run multi-threaded: the op's gathers, copies and merges are a few MiB each next to kernel
 calls of tens of ms, and as parallel regions on a shared 2-core machine they stalled on a descheduled thread
 (they took as long as the kernel calls); on one thread they cost a few percent.
@@ -102,8 +103,8 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Ragged extend attention over the plan's (query tile, key tile) pairs, on CPU.
 
     q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D, any
-    ``kv_dtype.KV_DTYPES`` (dequantised with k_scale/v_scale in the gather; the kernel computes in
-    ``kv_dtype.compute_dtype``: a bf16/fp16 query over a cache of its dtype or float8 needs no float32 copy)
+    ``kv.KV_DTYPES`` (dequantised with k_scale/v_scale in the gather; the kernel computes in
+    ``kv.compute_dtype``: a bf16/fp16 query over a cache of its dtype or float8 needs no float32 copy)
     slots: [P, TK] int64, a pair's key slots, valid ones first (``k_count`` of them)
     q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (see ``ExtendTilePlan``)
     causal, window: the mask of spans that are not full (window -1: none)

@@ -1,36 +1,14 @@
-"""The CPU decode kernel in C++ (``csrc/block_partials.cpp``): each block's partial softmax, reading K/V in place from
-the paged cache, built with this machine's compiler on first use (``native_build``) and called as a torch op.
+"""The CPU decode/verify kernel in C++ (``csrc/``), built with this machine's compiler on first use (``build``) and
+called as a torch op: each block's partial softmax read from the paged cache in place, merged per row in the same
+call (docs/design.md, "The C++ kernel", says how and why).
 
-Why a hand-written kernel: the decode's work is a few small dot products per cached key row, and what bounds it is
-how the rows are read. Inductor's loops for the same computation read each row once per query row, reduce every dot
-product to a scalar on its own and issue no prefetches, so they are compute-bound at several times the time of one
-pass over the cache bytes, and a bf16 cache saves almost nothing over float32. This kernel scores all query rows of
-a head against each key row while the row is in registers, converts bf16/fp16/float8 there, prefetches the rows a
-few positions ahead and runs the softmax and the V sum vectorised. Its partials are each block's max score, sum of
-exponentials and weighted V sum per query row, merged by ``decode.merge_blocks``' rule; the portable matmul form is
-the fallback. On a CPU with AMX, a bf16 query with 8 or more query rows per KV head (GQA's groups times verify's
-draft tokens) runs as bf16 tile products (``csrc/tile_blocks.h``, ``tiles_serve``): its time then grows little with
-the rows; without tiles, 16 rows or a multiple take outer products in float32 (``csrc/wide_blocks.h``,
-``wide_serves``).
-
-Which path runs is the caller's choice (``kernel_path``, called by ``forms.choose_form``); the kernel refuses a path
-this build or the call's shapes cannot run, so the choice and the kernel never disagree silently.
-
-The boundary: each call is one torch op of the build (``csrc/torch_op.cpp``), which checks every tensor's dtype,
-device and shape against the others (q's rows against num_rows x tokens, the caches' heads and head sizes against
-q's, the block table's three tensors against each other, sinks, the draft keys' tensors); the kernel checks every
-index its tables hold as it reads them (a block's row against q's rows, or the batch's with unused blocks past it;
-the slot of each valid position and of each draft key a token sees against the caches' rows). A violation is a
-ValueError naming the argument and its limit, never a read outside a tensor nor a silent wrong answer.
-
-Build (``native_build``): ``$CXX`` (default ``g++``) ``-O3 -march=native -fopenmp`` linked with the ops' object and
-torch's libraries into a cache folder (``COMPILED_ATTN_CACHE_DIR``, default ``~/.cache/compiled_attn``), keyed by
-the sources, the compiler, the flags and the CPU's feature flags, so a second process loads it at once.
-``COMPILED_ATTN_ISA=avx2|avx512|avx512_bf16|amx`` builds for that level instead of the whole CPU (``ISA_LEVELS``;
-refused above what the CPU has): how a machine runs and tests the paths an older CPU takes. The OpenMP runtime is
-the one PyTorch already loaded (same soname), and each call runs on ``torch.get_num_threads()`` threads.
-``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where the build fails (no compiler, or no torch headers)
-gets one warning and the portable matmul form.
+The kernel runs one of its paths (``PATHS``: ``tile`` AMX bf16 products, ``wide`` float32 outer products,
+``vector_bf16`` AVX512-BF16 pair products, ``vector`` float32 products); ``kernel_path`` says which a call takes
+and why, and the kernel refuses a path its build or the call's shapes cannot run. The op checks every tensor's
+dtype, device and shape, the kernel every index it reads (a ValueError naming the argument and its limit).
+``COMPILED_ATTN_ISA=avx2|avx512|avx512_bf16|amx`` builds for that level (``ISA_LEVELS``) instead of the whole CPU;
+``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where the build fails gets one warning and the portable
+matmul form.
 """
 from __future__ import annotations
 
@@ -65,8 +43,6 @@ PATHS = ("vector", "vector_bf16", "wide", "tile")
 #: the cache dtypes the kernel reads, by the kind number it takes
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _KIND_NAMES = ", ".join(str(dtype).removeprefix("torch.") for dtype in KINDS)
-#: the query dtypes the merged op reads as they are, by the kind number it takes (its output: float32 or bfloat16)
-QUERY_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def cpu_isa_levels(flags: str | None = None) -> list[str]:
@@ -229,7 +205,7 @@ def _path_number(path: str, k_cache: torch.Tensor, q_bf16_scale: float, g: int, 
 
 
 def _ops(lib: KernelLibrary | None):
-    """The torch ops of ``library()``'s build (``native_build.KernelLibrary.ops``), or RuntimeError where there is
+    """The torch ops of ``library()``'s build (``build.KernelLibrary.ops``), or RuntimeError where there is
     none."""
     if lib is None:
         raise RuntimeError("the C++ decode kernel is not built here (COMPILED_ATTN_NATIVE=0, or the build failed): "
