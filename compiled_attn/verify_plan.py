@@ -25,8 +25,8 @@ from . import validate
 from .plan import DEFAULT_BLOCK_SIZE, cdiv, check_capacity, gather_unit, int64_rows, total_blocks_needed
 
 __all__ = ["CPU_MAX_VERIFY_BLOCK", "MASK_LAYOUTS", "VerifyInputs", "VerifyMetadata", "chain_mask", "check_custom_mask",
-           "draft_mask_from_custom", "full_mask_numel", "mask_numel", "plan_verify", "verify_block_size",
-           "window_start"]
+           "draft_mask_from_custom", "full_mask_numel", "mask_numel", "plan_verify", "prefix_blocks_needed",
+           "verify_block_size", "window_start"]
 
 
 class VerifyInputs(NamedTuple):
@@ -48,13 +48,15 @@ class VerifyInputs(NamedTuple):
 
 @dataclass
 class VerifyMetadata:
-    """A planned verify batch: its step inputs and what the host knows (``num_real`` rows, ``k`` draft tokens)."""
+    """A planned verify batch: its step inputs and what the host knows (``num_real`` rows, ``k`` draft tokens, the
+    prefix blocks its rows take, the page size and sliding window they were counted for: ``prefix_blocks_needed``)."""
 
     inputs: VerifyInputs
     num_real: int
     draft_len: int
     blocks_needed: int
     page_size: int = 1
+    sliding_window: int | None = None
 
 
 #: the longest prefix block on CPU: the kernel's tile path keeps a block's scores and bf16 weights per thread (1.5
@@ -121,13 +123,11 @@ def plan_verify(
     prefix_host = torch.tensor(prefix, dtype=torch.int64)
     if custom_mask is not None:
         check_custom_mask(custom_mask, prefix_host, k, mask_layout, device)
-    unit = gather_unit(page_size, block_size)
     if check_slots:  # from position 0, a run boundary
         validate.check_slots(req_to_token, rows, [0] * bs, [n + k for n in prefix], k_cache.shape[0])
         validate.check_page_layout(req_to_token, rows, [0] * bs, [n + k for n in prefix], page_size)
     validate.check_window_and_cap(sliding_window, None)
-    lo = [0] * bs if sliding_window is None else window_start(prefix_host, k, sliding_window, unit).tolist()
-    needed = total_blocks_needed(lo, prefix, block_size, page_size)
+    needed = prefix_blocks_needed(prefix_host, k, block_size, page_size, sliding_window)
     bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
     nblk = check_capacity("block_capacity", block_capacity, needed)
     mask = chain_mask(bs_cap, k, device).clone()
@@ -136,7 +136,17 @@ def plan_verify(
     req_rows, prefix_lens = int64_rows([rows, prefix], bs_cap, device)
     inputs = VerifyInputs(req_rows, prefix_lens, torch.arange(nblk, device=device),
                           torch.arange(block_size, device=device), mask)
-    return VerifyMetadata(inputs, num_real=bs, draft_len=k, blocks_needed=needed, page_size=page_size)
+    return VerifyMetadata(inputs, num_real=bs, draft_len=k, blocks_needed=needed, page_size=page_size,
+                          sliding_window=sliding_window)
+
+
+def prefix_blocks_needed(prefix_lens: torch.Tensor, k: int, block_size: int, page_size: int,
+                         sliding_window: int | None) -> int:
+    """The prefix blocks a batch's rows take (``prefix_lens``: [bs] int64 on the host): from position 0, or under a
+    sliding window from ``window_start``, to ``prefix_len``."""
+    lo = torch.zeros_like(prefix_lens) if sliding_window is None else window_start(
+        prefix_lens, k, sliding_window, gather_unit(page_size, block_size))
+    return total_blocks_needed(lo, prefix_lens, block_size, page_size)
 
 
 def window_start(prefix: torch.Tensor, k: int, window: int, unit: int) -> torch.Tensor:

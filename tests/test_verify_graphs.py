@@ -2,6 +2,7 @@
 chain and tree masks (and a step with a full and a sliding-window layer); padding rows never leak; no new dynamo
 graphs after warm-up across batches and draft lengths; fallback beyond the largest bucket; bad input named. (The
 CUDA-graph twin at the end runs on a GPU machine.)"""
+import dataclasses
 import warnings
 
 import pytest
@@ -241,6 +242,11 @@ def test_errors():
                         meta.inputs.req_rows, meta.inputs.prefix_lens, 2, block_size=32)
     with pytest.raises(ValueError, match="block_size=32; these graphs use block_size=64"):
         graphs.run(other, tokens, persistent)
+    # a hand-built plan whose block count is short would pick a bucket that drops the last blocks' keys
+    needed = meta.blocks_needed
+    assert needed >= 2
+    with pytest.raises(ValueError, match=rf"meta.blocks_needed 1 is below the {needed} prefix blocks"):
+        graphs.run(dataclasses.replace(meta, blocks_needed=1), tokens, persistent)
     with pytest.raises(ValueError, match="draft_lens must hold ints >= 1"):
         _graphs(draft_lens=(2, 0), compile=False)
     with pytest.raises(ValueError, match="draft_lens must be a non-empty list"):

@@ -31,6 +31,7 @@ from graphs import BucketedGraphs, BufferSpec, RowInput, StaticBuffers, cache_sl
 
 from ..compile_policy import compile_step
 from ..verify import VerifyInputs, VerifyMetadata, plan_verify
+from ..verify_plan import prefix_blocks_needed
 from .decode import GraphConfig, check_config, reachable_keys, warmup_width
 
 #: the per-request fields of ``VerifyInputs`` (block_ids and block_offsets are unbatched aranges)
@@ -175,6 +176,11 @@ class VerifyGraphs(BucketedGraphs):
             t = getattr(meta.inputs, name)
             if t.device != self.device:
                 raise ValueError(f"meta.inputs.{name} is on {t.device}, these graphs run on {self.device}")
+        needed = prefix_blocks_needed(meta.inputs.prefix_lens[: meta.num_real].cpu(), k, block, meta.page_size,
+                                      meta.sliding_window)
+        if meta.blocks_needed < needed:  # a bucket picked by it would drop the keys of the blocks past it
+            raise ValueError(f"meta.blocks_needed {meta.blocks_needed} is below the {needed} prefix blocks its "
+                             "prefix_lens take: plan it with VerifyGraphs.plan or plan_verify")
         n = meta.num_real * k
         check_row_values("tokens", tokens, self.token_inputs, n, f"num_real * draft_len = {meta.num_real} * {k} "
                          "tokens first", self.device, cache_slots(persistent) if self.check_slots else None)
