@@ -70,6 +70,41 @@ static void column_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, 
   for (int64_t sb = 0; sb < cs.nsb; ++sb) {
     float* sv = cs.st.data() + sb * Bp * 16;
     if (pr.cap > 0.f) cap_scores(pr, sv, c_lo, c_hi, c, valid_at);
+#if !defined(__AVX512F__)
+    // AVX2: the same arithmetic on each vector's two halves (lanes 0-7, 8-15), held in registers
+    v8f mx[2] = {splat8(-INFINITY), splat8(-INFINITY)};
+    for (int64_t p = c_lo; p < c_hi; ++p)
+      if (valid_at(p))
+        for (int k = 0; k < 2; ++k) {
+          const v8f x = loadf8(sv + p * 16 + 8 * k);
+          mx[k] = x > mx[k] ? x : mx[k];
+        }
+    v8f m_new[2], shift[2], alpha[2], sum[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      const v8f m_old = loadf8(cs.m.data() + sb * 16 + 8 * k);
+      m_new[k] = mx[k] > m_old ? mx[k] : m_old;
+      alpha[k] = vexp8((m_old - m_new[k]) * c);
+      storef8(cs.alpha.data() + sb * 16 + 8 * k, alpha[k]);
+      shift[k] = m_new[k] * -c;
+    }
+    for (int64_t c0 = c_lo; c0 < c_hi; c0 += 32) {
+      if (!cs.live[c0 / 32]) continue;
+      v16 e[32];
+      for (int i = 0; i < 32; ++i) {
+        float* ei = reinterpret_cast<float*>(&e[i]);
+        for (int k = 0; k < 2; ++k) {
+          const v8f x = valid_at(c0 + i) ? vexp8(loadf8(sv + (c0 + i) * 16 + 8 * k) * c + shift[k]) : v8f{};
+          storef8(ei + 8 * k, x);
+          sum[k] += x;
+        }
+      }
+      emit(sb, c0, e);
+    }
+    for (int k = 0; k < 2; ++k) {
+      storef8(cs.l.data() + sb * 16 + 8 * k, loadf8(cs.l.data() + sb * 16 + 8 * k) * alpha[k] + sum[k]);
+      storef8(cs.m.data() + sb * 16 + 8 * k, m_new[k]);
+    }
+#else
     const v16 mx = scores_max(sv, c_lo, c_hi, valid_at);
     const v16 m_old = loadf(cs.m.data() + sb * 16);
     const v16 m_new = mx > m_old ? mx : m_old;
@@ -87,6 +122,7 @@ static void column_softmax(const Problem& pr, const uint8_t* val, int64_t c_lo, 
     }
     storef(cs.l.data() + sb * 16, loadf(cs.l.data() + sb * 16) * loadf(cs.alpha.data() + sb * 16) + sum);
     storef(cs.m.data() + sb * 16, m_new);
+#endif
   }
 }
 
@@ -99,7 +135,7 @@ static void rescale_sums(ColumnState& cs, int64_t Dv, RowOf&& row_of) {
       const float a = cs.alpha[sb * 16 + lane];
       if (r < 0 || a == 1.0f) continue;
       float* ar = cs.acc.data() + r * Dv;
-      for (int64_t d = 0; d < Dv; d += 16) storef(ar + d, loadf(ar + d) * a);
+      for (int64_t d = 0; d < Dv; d += kNat) storen(ar + d, loadn(ar + d) * a);
     }
 }
 

@@ -134,6 +134,8 @@ struct E4M3 {
   }
 };
 
+#include "half_vectors.h"
+
 // 32 stored elements -> float32, the first 16 into a and the next 16 into b. The float8 formats widen all 32 bytes
 // in one 512-bit register and convert its two halves: a quarter fewer instructions than two 16-element loads.
 template <class L>
@@ -168,12 +170,16 @@ static inline void load_vectors(const typename L::T* p, v16* out) {
 // n (a multiple of 16) stored elements times mul -> float32 at dst, 32 at a time through load32.
 template <class L>
 static inline void row_to_float(const typename L::T* p, int64_t n, float mul, float* dst) {
+#if !defined(__AVX512F__)
+  for (int64_t d = 0; d < n; d += 8) storef8(dst + d, load8<L>(p + d) * mul);
+#else
   int64_t d = 0;
   for (v16 a, b; d + 32 <= n; d += 32) {
     load32<L>(p + d, a, b);
     storef(dst + d, a * mul), storef(dst + d + 16, b * mul);
   }
   if (d < n) storef(dst + d, L::load(p + d) * mul);
+#endif
 }
 
 // The cache formats whose values bfloat16 holds exactly (a half-precision cache keeps its 11-bit significands on
@@ -307,6 +313,31 @@ static inline v16 load_first(const float* p, int64_t n, float fill) {
 template <int NR, int NCH>
 static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
                                  float* o, int64_t Dv) {
+#if !defined(__AVX512F__)
+  // AVX2: CH chunks of 16 columns a pass over the value rows, NR x CH x 2 half sums in at most 8 registers (NR x
+  // NCH v16 sums were up to 32)
+  constexpr int CH = NR >= 4 ? 1 : NR >= 2 ? (NCH % 2 ? 1 : 2) : NCH;
+  for (int j0 = 0; j0 < NCH; j0 += CH) {
+    float* oj = o + 16 * j0;
+    v8f a[NR][CH][2];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < CH; ++j)
+        a[r][j][0] = loadf8(oj + r * Dv + 16 * j), a[r][j][1] = loadf8(oj + r * Dv + 16 * j + 8);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* wp = w + ids[i] * 16;
+      const float* vr = vp[i] + cb + 16 * j0;
+      v8f v[CH][2];
+      for (int j = 0; j < CH; ++j) v[j][0] = loadf8(vr + 16 * j), v[j][1] = loadf8(vr + 16 * j + 8);
+      for (int r = 0; r < NR; ++r) {
+        const v8f wr = splat8(wp[r]);
+        for (int j = 0; j < CH; ++j) a[r][j][0] += wr * v[j][0], a[r][j][1] += wr * v[j][1];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < CH; ++j)
+        storef8(oj + r * Dv + 16 * j, a[r][j][0]), storef8(oj + r * Dv + 16 * j + 8, a[r][j][1]);
+  }
+#else
   v16 a[NR][NCH];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NCH; ++j) a[r][j] = loadf(o + r * Dv + 16 * j);
@@ -322,6 +353,7 @@ static inline void weighted_rows(const int64_t* ids, const float* const* vp, int
   }
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NCH; ++j) storef(o + r * Dv + 16 * j, a[r][j]);
+#endif
 }
 
 // weighted_rows for nch (1 to 4) chunks of 16 columns known at run time: each count compiled on its own, so that the
@@ -357,35 +389,3 @@ static inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* a = static_cast<const char*>(p);
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(a + c, 0, locality);
 }
-
-// The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding; the vector path's layout):
-// the soft-cap on valid scores, then m[r] = the max (the lowest float32 when no position is valid), s = exp(s - m)
-// (0 where s was -inf), l[r] = its sum.
-static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_out,
-                         float* l_out) {
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = s + r * Bp;
-    if (cap > 0.f)
-      for (int64_t p = 0; p < B; ++p)
-        if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
-    for (int64_t p = B; p < Bp; ++p) sr[p] = -INFINITY;
-    v16 mx = splat(-INFINITY);
-    for (int64_t p = 0; p < Bp; p += 16) {
-      v16 x = loadf(sr + p);
-      mx = x > mx ? x : mx;
-    }
-    float m = mx[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, mx[i]);
-    if (m == -INFINITY) m = -FLT_MAX;  // no valid key in the block
-    v16 sum{};
-    for (int64_t p = 0; p < Bp; p += 16) {
-      v16 x = loadf(sr + p);
-      v16 e = x == -INFINITY ? v16{} : vexp(x - m);
-      storef(sr + p, e);
-      sum += e;
-    }
-    l_out[r] = hsum(sum);
-    m_out[r] = m;
-  }
-}
-

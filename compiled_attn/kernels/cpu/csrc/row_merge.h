@@ -10,7 +10,8 @@ static void fold_partials(int64_t R, int64_t Dv, float* m, float* l, float* o, c
     const float mx = std::max(m[r], bm[r]), a = std::exp(m[r] - mx), c = std::exp(bm[r] - mx);
     m[r] = mx;
     l[r] = l[r] * a + bl[r] * c;
-    for (int64_t d = 0; d < Dv; d += 16) storef(o + r * Dv + d, loadf(o + r * Dv + d) * a + loadf(bo + r * Dv + d) * c);
+    for (int64_t d = 0; d < Dv; d += kNat)
+      storen(o + r * Dv + d, loadn(o + r * Dv + d) * a + loadn(bo + r * Dv + d) * c);
   }
 }
 
@@ -78,16 +79,52 @@ static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, 
           const float* k1 = ds.kf.data() + std::min(c + 1, n - 1) * D;
           const float* k2 = ds.kf.data() + std::min(c + 2, n - 1) * D;
           const float* k3 = ds.kf.data() + std::min(c + 3, n - 1) * D;
+#if defined(__AVX512F__)
           v16 a0{}, a1{}, a2{}, a3{};
           for (int64_t d = 0; d < D; d += 16) {
             const v16 x = loadf(q + d);
             a0 += x * loadf(k0 + d), a1 += x * loadf(k1 + d), a2 += x * loadf(k2 + d), a3 += x * loadf(k3 + d);
           }
           const v4f t = hsum4(a0, a1, a2, a3);
+#else
+          v8f a[4][2] = {};
+          const float* ks[4] = {k0, k1, k2, k3};
+          for (int64_t d = 0; d < D; d += 16)
+            for (int hh = 0; hh < 2; ++hh) {
+              const v8f x = loadf8(q + d + 8 * hh);
+              for (int u = 0; u < 4; ++u) a[u][hh] += x * loadf8(ks[u] + d + 8 * hh);
+            }
+          const v4f t = hsum4_halves(a);
+#endif
           for (int u = 0; u < 4 && c + u < n; ++u) st[(c + u) * 16 + lane] = t[u];
         }
       }
       const i32x16* sees = ds.sees.data() + g0 / 16 * nd;
+#if !defined(__AVX512F__)
+      // AVX2: the lanes as two halves held in registers (kernel_math.h)
+      v8f m[2] = {splat8(-FLT_MAX), splat8(-FLT_MAX)}, l[2] = {};
+      for (int64_t c = 0; c < n; ++c)
+        for (int hh = 0; hh < 2; ++hh) {
+          float* sc = st + c * 16 + 8 * hh;
+          if (pr.cap > 0.f)
+            for (int64_t lane = 0; lane < 8; ++lane) sc[lane] = pr.cap * std::tanh(sc[lane] / pr.cap);
+          i32x8 see;
+          std::memcpy(&see, reinterpret_cast<const int32_t*>(&sees[c]) + 8 * hh, 32);
+          const v8f x = see ? loadf8(sc) : splat8(-FLT_MAX);
+          storef8(sc, x);
+          m[hh] = x > m[hh] ? x : m[hh];
+        }
+      for (int64_t c = 0; c < n; ++c)
+        for (int hh = 0; hh < 2; ++hh) {
+          i32x8 see;
+          std::memcpy(&see, reinterpret_cast<const int32_t*>(&sees[c]) + 8 * hh, 32);
+          const v8f e = see ? vexp8(loadf8(st + c * 16 + 8 * hh) - m[hh]) : v8f{};
+          storef8(st + c * 16 + 8 * hh, e);
+          l[hh] += e;
+        }
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        dm[h * G + g0 + lane] = m[lane / 8][lane % 8], dl[h * G + g0 + lane] = l[lane / 8][lane % 8];
+#else
       v16 m = splat(-FLT_MAX), l{};
       for (int64_t c = 0; c < n; ++c) {
         v16 x = loadf(st + c * 16);
@@ -103,6 +140,7 @@ static bool draft_partial(const Problem& pr, int64_t r, int64_t h0, int64_t h1, 
         l += e;
       }
       for (int64_t lane = 0; lane < lanes; ++lane) dm[h * G + g0 + lane] = m[lane], dl[h * G + g0 + lane] = l[lane];
+#endif
       // the V sums: four query rows at a time over each 64 columns, from zero (value row c's weights at st[c * 16])
       float* o = dout + (h * G + g0) * Dv;
       const int64_t* seq = ds.seq.data();
@@ -125,13 +163,22 @@ static inline void store_bf16(uint16_t* dst, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-#else
+#elif defined(__AVX512F__)
     u32x16 b;
     std::memcpy(&b, x + i, 64);
     const u32x16 nan = (u32x16)((b & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
     const u32x16 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
     const u16x16 h = __builtin_convertvector((r & ~nan) | (((b >> 16) | 0x40u) & nan), u16x16);
     std::memcpy(dst + i, &h, 32);
+#else
+    for (int64_t k = i; k < i + 16; k += 8) {
+      u32x8 b;
+      std::memcpy(&b, x + k, 32);
+      const u32x8 nan = (u32x8)((b & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+      const u32x8 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+      const u16x8 h = __builtin_convertvector((r & ~nan) | (((b >> 16) | 0x40u) & nan), u16x8);
+      std::memcpy(dst + k, &h, 16);
+    }
 #endif
   }
 }
@@ -149,6 +196,26 @@ static void merge_row(const Problem& pr, int64_t r, int64_t i0, int64_t i1, int6
   auto part_l = [&](int64_t p) { return p < nb ? pl + (b0 + p) * R : dl; };
   for (int64_t c = i0; c < i1; c += 16) {
     const int64_t lanes = std::min<int64_t>(16, i1 - c);
+#if !defined(__AVX512F__)
+    // AVX2: the 16 lanes as two halves held in registers (kernel_math.h), the same arithmetic per lane
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t n8 = lanes - 8 * hh, c8 = c + 8 * hh;  // lanes of this half (<= 0: none)
+      auto first8 = [&](const float* p, float fill) { return load_first8(p, n8, fill); };
+      v8f mx = pr.sinks ? first8(pr.sinks + c8, -INFINITY) : splat8(-INFINITY);
+      for (int64_t p = 0; p < parts; ++p) {
+        const v8f m = first8(part_m(p) + c8, -INFINITY);
+        mx = m > mx ? m : mx;
+      }
+      v8f den = pr.sinks ? vexp8(first8(pr.sinks + c8, 0.0f) - mx) : v8f{};
+      for (int64_t p = 0; p < parts; ++p) {
+        const v8f e = vexp8(first8(part_m(p) + c8, 0.0f) - mx);
+        den += e * first8(part_l(p) + c8, 0.0f);
+        storef8(w.data() + p * 16 + 8 * hh, e);
+      }
+      const v8f inv = den > 0.0f ? 1.0f / den : v8f{};
+      for (int64_t p = 0; p < parts; ++p) storef8(w.data() + p * 16 + 8 * hh, loadf8(w.data() + p * 16 + 8 * hh) * inv);
+    }
+#else
     v16 mx = pr.sinks ? load_first(pr.sinks + c, lanes, -INFINITY) : splat(-INFINITY);
     for (int64_t p = 0; p < parts; ++p) {
       const v16 m = load_first(part_m(p) + c, lanes, -INFINITY);
@@ -163,13 +230,14 @@ static void merge_row(const Problem& pr, int64_t r, int64_t i0, int64_t i1, int6
     }
     const v16 inv = den > 0.0f ? 1.0f / den : v16{};
     for (int64_t p = 0; p < parts; ++p) storef(w.data() + p * 16, loadf(w.data() + p * 16) * inv);
+#endif
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const int64_t i = c + lane;
-      for (int64_t d = 0; d < Dv; d += 16) {
-        v16 o{};
+      for (int64_t d = 0; d < Dv; d += kNat) {
+        vnat o{};
         for (int64_t p = 0; p < parts; ++p)
-          o += splat(w[p * 16 + lane]) * loadf((p < nb ? po + ((b0 + p) * R + i) * Dv : dout + i * Dv) + d);
-        storef(acc + d, o);
+          o += w[p * 16 + lane] * loadn((p < nb ? po + ((b0 + p) * R + i) * Dv : dout + i * Dv) + d);
+        storen(acc + d, o);
       }
       const int64_t at = (r * R + pr.token_rows[i]) * Dv;
       if (pr.out_bf16) store_bf16(static_cast<uint16_t*>(pr.out) + at, acc, Dv);

@@ -13,6 +13,46 @@
 template <class L, int GN, int DN>
 static inline void weighted_v(const typename L::T* vb, const int64_t* slot, const uint8_t* val, int64_t B,
                               int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv, float v_mul) {
+#if !defined(__AVX512F__)
+  // AVX2: CH 16-column chunks a pass over the positions, GN x CH x 2 half sums in 8 of the 16 registers (GN x DN
+  // v16 sums were 32 registers); a bf16 chunk is one 32-byte load split into its even and odd elements
+  constexpr int CH = GN >= 4 ? 1 : 4 / GN;
+  static_assert(DN % CH == 0, "whole passes");
+  for (int c0 = 0; c0 < DN; c0 += CH) {
+    v8f acc[GN][CH][2] = {};
+    for (int64_t p = 0; p < B; ++p) {
+      if (!val[p]) continue;
+      const typename L::T* vr = vb + slot[p] * v_row + 16 * c0;
+      v8f vv[CH][2];
+      for (int c = 0; c < CH; ++c) {
+        if constexpr (std::is_same<L, BF16>::value) {
+          u32x8 x;
+          std::memcpy(&x, vr + 16 * c, 32);
+          const u32x8 even = x << 16, odd = x & 0xFFFF0000u;
+          std::memcpy(&vv[c][0], &even, 32);
+          std::memcpy(&vv[c][1], &odd, 32);
+        } else {
+          vv[c][0] = load8<L>(vr + 16 * c), vv[c][1] = load8<L>(vr + 16 * c + 8);
+        }
+      }
+      for (int g = 0; g < GN; ++g) {
+        const v8f x = splat8(w[g * Bp + p]);
+        for (int c = 0; c < CH; ++c) acc[g][c][0] += x * vv[c][0], acc[g][c][1] += x * vv[c][1];
+      }
+    }
+    for (int g = 0; g < GN; ++g)
+      for (int c = 0; c < CH; ++c) {
+        float* o = out + g * Dv + 16 * (c0 + c);
+        const v8f e = acc[g][c][0], d = acc[g][c][1];
+        if constexpr (std::is_same<L, BF16>::value) {
+          storef8(o, __builtin_shufflevector(e, d, 0, 8, 1, 9, 2, 10, 3, 11) * v_mul);
+          storef8(o + 8, __builtin_shufflevector(e, d, 4, 12, 5, 13, 6, 14, 7, 15) * v_mul);
+        } else {
+          storef8(o, e * v_mul), storef8(o + 8, d * v_mul);
+        }
+      }
+  }
+#else
   constexpr bool split = std::is_same<L, BF16>::value && DN % 2 == 0;
   v16 acc[GN][DN] = {};
   for (int64_t p = 0; p < B; ++p) {
@@ -48,6 +88,7 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
         storef(out + g * Dv + 16 * j, acc[g][j] * v_mul);
       }
     }
+#endif
 }
 
 template <class L>
@@ -56,13 +97,31 @@ static void weighted_v_any(int gn, int dn, const typename L::T* vb, const int64_
                            float v_mul) {
   for (int g = 0; g < gn; ++g)
     for (int j = 0; j < dn; ++j) {
+#if defined(__AVX512F__)
       v16 acc{};
       for (int64_t p = 0; p < B; ++p)
         if (val[p]) acc += w[g * Bp + p] * L::load(vb + slot[p] * v_row + 16 * j);
       storef(out + g * Dv + 16 * j, acc * v_mul);
+#else
+      v8f lo{}, hi{};
+      for (int64_t p = 0; p < B; ++p)
+        if (val[p]) {
+          const typename L::T* vr = vb + slot[p] * v_row + 16 * j;
+          const v8f x = splat8(w[g * Bp + p]);
+          lo += x * load8<L>(vr), hi += x * load8<L>(vr + 8);
+        }
+      storef8(out + g * Dv + 16 * j, lo * v_mul), storef8(out + g * Dv + 16 * j + 8, hi * v_mul);
+#endif
     }
 }
 
+
+// Whether v16 is one register (AVX-512); else the vector path's scores take AVX2 halves (kernel_math.h says why).
+#if defined(__AVX512F__)
+constexpr bool kWideVectors = true;
+#else
+constexpr bool kWideVectors = false;
+#endif
 
 // Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
 // row is read once, for all query rows of its head. DV: D / 16 for a compiled-in head size (the key row lives in
@@ -146,6 +205,36 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
         if (np == 2) rows(std::true_type{});
         else rows(std::false_type{});
 #endif
+      } else if (!kWideVectors) {
+#if !defined(__AVX512F__)
+        // AVX2: four query rows at a time against the key row read 16 elements a step (a row held in registers
+        // took 16 of the 16; its v16 sums went through memory), each row's v16 sum kept as two halves
+        const float* q0 = static_cast<const float*>(q) + h * G * D;
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) {
+          const float* qg = q0 + g * D;
+          v8f a[4][2];
+          {
+            const v8f k0 = load8<L>(kr), k1 = load8<L>(kr + 8);
+            for (int i = 0; i < 4; ++i) a[i][0] = loadf8(qg + i * D) * k0, a[i][1] = loadf8(qg + i * D + 8) * k1;
+          }
+          for (int64_t d = 16; d < D; d += 16) {
+            const v8f k0 = load8<L>(kr + d), k1 = load8<L>(kr + d + 8);
+            for (int i = 0; i < 4; ++i)
+              a[i][0] += loadf8(qg + i * D + d) * k0, a[i][1] += loadf8(qg + i * D + d + 8) * k1;
+          }
+          const v4f t = hsum4_halves(a);
+          for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
+        }
+        for (; g < G; ++g) {
+          v8f lo{}, hi{};
+          for (int64_t d = 0; d < D; d += 16) {
+            lo += loadf8(q0 + g * D + d) * load8<L>(kr + d);
+            hi += loadf8(q0 + g * D + d + 8) * load8<L>(kr + d + 8);
+          }
+          sp[g * Bp] = hsum_halves(lo, hi);
+        }
+#endif
       } else if (DV && G % 4 == 0) {
         const float* q0 = static_cast<const float*>(q) + h * G * D;
         v16 kv[DV ? DV : 1];
@@ -196,4 +285,56 @@ static void vector_weighted_v(const Problem& pr, const int64_t* slot, const uint
         else if (gn == 2 && dn == 4) weighted_v<L, 2, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
         else weighted_v_any<L>(gn, dn, vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
       }
+}
+
+// The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding; the vector path's layout):
+// the soft-cap on valid scores, then m[r] = the max (the lowest float32 when no position is valid), s = exp(s - m)
+// (0 where s was -inf), l[r] = its sum.
+static void softmax_rows(float* s, const uint8_t* val, int64_t B, int64_t Bp, int64_t R, float cap, float* m_out,
+                         float* l_out) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * Bp;
+    if (cap > 0.f)
+      for (int64_t p = 0; p < B; ++p)
+        if (val[p]) sr[p] = cap * std::tanh(sr[p] / cap);
+    for (int64_t p = B; p < Bp; ++p) sr[p] = -INFINITY;
+#if defined(__AVX512F__)
+    v16 mx = splat(-INFINITY);
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      mx = x > mx ? x : mx;
+    }
+    float m = mx[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, mx[i]);
+#else
+    v8f mx = splat8(-INFINITY);
+    for (int64_t p = 0; p < Bp; p += 8) {
+      const v8f x = loadf8(sr + p);
+      mx = x > mx ? x : mx;
+    }
+    float m = mx[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, mx[i]);
+#endif
+    if (m == -INFINITY) m = -FLT_MAX;  // no valid key in the block
+#if defined(__AVX512F__)
+    v16 sum{};
+    for (int64_t p = 0; p < Bp; p += 16) {
+      v16 x = loadf(sr + p);
+      v16 e = x == -INFINITY ? v16{} : vexp(x - m);
+      storef(sr + p, e);
+      sum += e;
+    }
+    l_out[r] = hsum(sum);
+#else
+    v8f lo{}, hi{};  // lanes 0-7 and 8-15 of each 16 positions, as a v16's sum
+    for (int64_t p = 0; p < Bp; p += 16) {
+      const v8f x = loadf8(sr + p), y = loadf8(sr + p + 8);
+      const v8f e = x == -INFINITY ? v8f{} : vexp8(x - m), f = y == -INFINITY ? v8f{} : vexp8(y - m);
+      storef8(sr + p, e), storef8(sr + p + 8, f);
+      lo += e, hi += f;
+    }
+    l_out[r] = hsum_halves(lo, hi);
+#endif
+    m_out[r] = m;
+  }
 }

@@ -52,6 +52,25 @@ static void pack_wide_queries(const Problem& pr, int64_t row, WideScratch& ws) {
 // the cache had been reloaded from the stack at every step.)
 template <int U, int T>
 static inline void wide_products(const float* kf, const float* q, int64_t D, v16* out) {
+#if !defined(__AVX512F__)
+  // AVX2: four positions against one group's two halves a pass (the U x T v16 sums were 16 to 32 registers)
+  static_assert(U % 4 == 0, "whole passes");
+  for (int t = 0; t < T; ++t)
+    for (int u0 = 0; u0 < U; u0 += 4) {
+      v8f a[4][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const v8f x0 = loadf8(q + (t * D + d) * 16), x1 = loadf8(q + (t * D + d) * 16 + 8);
+        for (int u = 0; u < 4; ++u) {
+          const v8f k = splat8(kf[(u0 + u) * D + d]);
+          a[u][0] += k * x0, a[u][1] += k * x1;
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        float* o = reinterpret_cast<float*>(out + (u0 + u) * T + t);
+        storef8(o, a[u][0]), storef8(o + 8, a[u][1]);
+      }
+    }
+#else
   v16 a[U][T] = {};
   for (int64_t d = 0; d < D; ++d) {
     v16 x[T];
@@ -63,6 +82,7 @@ static inline void wide_products(const float* kf, const float* q, int64_t D, v16
   }
   for (int u = 0; u < U; ++u)
     for (int t = 0; t < T; ++t) out[u * T + t] = a[u][t];
+#endif
 }
 
 // One block, folded into its work item's running softmax (first / last as tile_block); qt: pr's first KV head's
@@ -160,7 +180,7 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
   }
   if (!last) return;
   write_max_and_sum(cs, 1.0f, mo, lo, row_of);
-  const v16 mul = splat(pr.v_mul);
+  const vnat mul = splatn(pr.v_mul);
   for (int64_t r = 0; r < hkv * pr.G; ++r)
-    for (int64_t d = 0; d < Dv; d += 16) storef(oo + r * Dv + d, loadf(cs.acc.data() + r * Dv + d) * mul);
+    for (int64_t d = 0; d < Dv; d += kNat) storen(oo + r * Dv + d, loadn(cs.acc.data() + r * Dv + d) * mul);
 }
