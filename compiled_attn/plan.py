@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -142,6 +143,9 @@ def total_blocks_needed(kv_lo: Sequence[int] | torch.Tensor, kv_hi: Sequence[int
     unit = gather_unit(page_size, block_size)
     if isinstance(kv_lo, torch.Tensor):
         kv_lo, kv_hi = kv_lo.tolist(), kv_hi.tolist()
+    if len(kv_lo) == 1 and len(kv_hi) == 1:  # a batch of one, without the list's machinery
+        lo, hi = kv_lo[0], kv_hi[0]
+        return (hi - lo + lo % unit + block_size - 1) // block_size if hi > lo else 0
     return sum([(hi - lo + lo % unit + block_size - 1) // block_size
                 for lo, hi in zip(kv_lo, kv_hi, strict=True) if hi > lo])
 
@@ -153,7 +157,12 @@ def normalize_window(sliding_window):
 
 def int64_rows(columns: list[list[int]], n: int, device: torch.device) -> list[torch.Tensor]:
     """Columns of Python ints, each padded with zeros to ``n`` entries -> one [n] int64 tensor on ``device`` each:
-    the rows of one tensor, made by one host-to-device copy (where a tensor each costs three times the ops)."""
+    on the host, each made over a buffer of its own (``torch.frombuffer``: half the cost of ``torch.tensor`` and
+    ``unbind`` at batch 1); elsewhere the rows of one tensor, made by one host-to-device copy (where a tensor each
+    costs three times the ops)."""
+    if n > 0 and device.type == "cpu":
+        return [torch.frombuffer(array("q", c if len(c) == n else c + [0] * (n - len(c))), dtype=torch.int64)
+                for c in columns]
     padded = [c if len(c) == n else c + [0] * (n - len(c)) for c in columns]
     return list(torch.tensor(padded, dtype=torch.int64, device=device).unbind())
 
@@ -243,6 +252,11 @@ def plan_decode(
     req_pool_indices, seq_lens (and encoder_lens): [bs]
     """
     validate.check_qkv(q, k_cache, v_cache)
+    if q.shape[0] == 1 and encoder_lens is None and not is_cross_attn:
+        meta = _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, sliding_window, block_size,
+                                 page_size, batch_capacity, block_capacity, check_slots)
+        if meta is not None:
+            return meta
     validate.check_positive_int("block_size", block_size)
     validate.check_positive_int("page_size", page_size)
     bs, device = q.shape[0], q.device
@@ -267,6 +281,50 @@ def plan_decode(
     req_rows, kv_lo, kv_hi = int64_rows([rows, lo, hi], bs_cap, device)
     inputs = DecodeInputs(req_rows, kv_lo, kv_hi, _arange(nblk, device), _arange(block_size, device))
     return DecodeMetadata(inputs, num_real=bs, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
+
+
+def _host_index(t, ndim: int) -> bool:
+    """``validate.check_tensor(name, t, ndim, INDEX_DTYPES, q.device)`` would pass, q being on the CPU."""
+    return isinstance(t, torch.Tensor) and t.is_cpu and t.dim() == ndim and t.dtype in validate.INDEX_DTYPES
+
+
+def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, sliding_window, block_size: int,
+                      page_size: int, batch_capacity, block_capacity, check_slots: bool) -> DecodeMetadata | None:
+    """``plan_decode`` of a batch of one decoder-only request on the host (q checked), the same checks in their
+    passing form: None where any would fail, or an input is unusual, for the general form to run (and name the
+    error). Why: the general form's helpers and lists cost more than its tensor ops at batch 1 (~40 us of ~90),
+    and more still where the step's other work has left the caches cold (the first layer of an SGLang step)."""
+    if not (q.is_cpu and _host_index(req_to_token, 2) and _host_index(req_pool_indices, 1)
+            and _host_index(seq_lens, 1) and req_pool_indices.shape[0] == 1 and seq_lens.shape[0] == 1):
+        return None
+    if type(block_size) is not int or type(page_size) is not int or block_size < 1 or page_size < 1:
+        return None
+    window = None if sliding_window is None or sliding_window == -1 else sliding_window  # normalize_window
+    if window is not None and (type(window) is not int or window < 0):
+        return None
+    (row,), (n,) = req_pool_indices.tolist(), seq_lens.tolist()
+    max_reqs, width = req_to_token.shape
+    if not (0 <= row < max_reqs and 0 <= n <= width):
+        return None
+    lo = 0 if window is None else max(n - 1 - window, 0)  # decode_kv_bounds
+    start = lo if page_size == 1 else lo - lo % gather_unit(page_size, block_size)
+    if check_slots and n > start:  # validate.check_slots, check_page_layout
+        s0, s1 = req_to_token.stride()  # req_to_token[row, start:n], one view op
+        low, high = torch.aminmax(req_to_token.as_strided((n - start,), (s1,), req_to_token.storage_offset()
+                                                          + row * s0 + start * s1))
+        if low.item() < 0 or high.item() >= k_cache.shape[0]:
+            return None
+        if page_size > 1 and not validate._one_row_keeps_pages(req_to_token, row, start, n, page_size):
+            return None
+    needed = (n - start + block_size - 1) // block_size if n > lo else 0  # total_blocks_needed
+    bs_cap = 1 if batch_capacity is None else check_capacity("batch_capacity", batch_capacity, 1)
+    nblk = max(needed, 1) if block_capacity is None else check_capacity("block_capacity", block_capacity, needed)
+    if bs_cap == 1:  # int64_rows
+        req_rows, kv_lo, kv_hi = (torch.frombuffer(array("q", [x]), dtype=torch.int64) for x in (row, lo, n))
+    else:
+        req_rows, kv_lo, kv_hi = int64_rows([[row], [lo], [n]], bs_cap, q.device)
+    inputs = DecodeInputs(req_rows, kv_lo, kv_hi, _arange(nblk, q.device), _arange(block_size, q.device))
+    return DecodeMetadata(inputs, num_real=1, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
 
 
 def plan_extend(

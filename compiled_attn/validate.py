@@ -121,6 +121,32 @@ def _host_tensor(t: Ints) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64)
 
 
+def row_slice(table: torch.Tensor, row: int, lo: int, hi: int) -> torch.Tensor:
+    """``table[row, lo:hi]`` of a 2-D tensor, for ``0 <= row < rows`` and ``0 <= lo`` (``hi`` clipped to the width): one
+    ``as_strided`` view where the indexing form is two view ops (select, slice), a few us each at batch 1."""
+    s0, s1 = table.stride()
+    hi = min(hi, table.shape[1])
+    return table.as_strided((max(hi - lo, 0),), (s1,), table.storage_offset() + row * s0 + min(lo, hi) * s1)
+
+
+def _strided(t: torch.Tensor, first: int, step: int) -> torch.Tensor:
+    """``t[first::step]`` of a 1-D tensor (``first < len(t)``) in one view op."""
+    stride = t.stride(0)
+    return t.as_strided((-(-(t.shape[0] - first) // step),), (step * stride,), t.storage_offset() + first * stride)
+
+
+_FILLS: dict[tuple, torch.Tensor] = {}  # (value, dtype) -> a host constant of that value, grown as needed
+
+
+def _filled(n: int, value: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.full((n,), value, dtype=dtype)`` (host) as a view of a shared constant (read only): one op a call."""
+    const = _FILLS.get((value, dtype))
+    if const is None or const.shape[0] < n:
+        with torch.inference_mode(False):  # a plain tensor: read inside inference mode or out of it
+            const = _FILLS[(value, dtype)] = torch.full((1 << max(n, 4096).bit_length(),), value, dtype=dtype)
+    return const[:n]
+
+
 def check_kv_end(kv_end: Ints, width: int, what: str) -> None:
     """Every request's range ends within the table: ``kv_end`` ([bs] host tensor or ints) <= ``width``."""
     end = max(_values(kv_end), default=0)
@@ -184,7 +210,11 @@ def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_
     # the common case first, in two ops (the table's least and greatest entry read, or stale but in the rows read)
     table = None  # [bs, width], the rows read (a batch of one reads only its range, a view)
     if len(rows) == 1:
-        first = req_to_token[int(rows[0]), int(lo[0]):width]
+        row, start = int(rows[0]), int(lo[0])
+        if 0 <= row < req_to_token.shape[0] and 0 <= start:
+            first = row_slice(req_to_token, row, start, width)
+        else:
+            first = req_to_token[row, start:width]
     else:
         first = table = req_to_token[_host_tensor(rows).to(req_to_token.device), :width]
     if first.numel():
@@ -235,15 +265,26 @@ def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints
 
 
 def _one_row_keeps_pages(req_to_token: torch.Tensor, row: int, lo: int, hi: int, page_size: int) -> bool:
-    """``check_page_layout`` of one row's positions ``[lo, hi)`` (all read: no masks), in a few ops: ``d = slot -
-    position`` is a multiple of ``page_size`` (each slot at its offset in a page) and changes only where a page starts
-    (the next position of a page is the next slot). False: the general check finds the entry to name."""
+    """``check_page_layout`` of one row's positions ``[lo, hi)`` (all read: no masks), in a few ops:
+    the slots step by one but where a page starts (the next position of a page is the next slot), and the first
+    position read of each page sits at its offset in a page (then all of the page's do). The entries are slots
+    (``check_slots`` ran first, as every plan runs it), so the steps of an int32 table cannot wrap. False: the
+    general check finds the entry to name."""
     if hi - lo < 1:
         return True
-    d = req_to_token[row, lo:hi].cpu().to(torch.int64) - torch.arange(lo, hi)
-    step = d.diff()  # step[i]: position lo + i + 1
-    step[(-lo - 1) % page_size::page_size] = 0  # positions that start a page may jump
-    return not (bool(d.remainder(page_size).any()) or bool(step.any()))
+    if not (0 <= row < req_to_token.shape[0] and 0 <= lo and hi <= req_to_token.shape[1]):
+        return False
+    slots = row_slice(req_to_token, row, lo, hi).cpu()  # a host read where the table is on CUDA
+    step = slots.diff()  # step[i]: position lo + i + 1
+    first = (-lo - 1) % page_size  # positions that start a page may jump
+    if first < step.shape[0]:
+        _strided(step, first, page_size).fill_(1)
+    if not torch.equal(step, _filled(step.shape[0], 1, step.dtype)):
+        return False
+    if lo % page_size and (_strided(slots, 0, hi - lo).item() - lo) % page_size:  # the first page, entered mid-way
+        return False
+    start = (-lo) % page_size  # the pages started inside the range
+    return start >= slots.shape[0] or not _strided(slots, start, page_size).remainder(page_size).count_nonzero().item()
 
 
 def check_sinks(sinks, num_heads: int) -> None:

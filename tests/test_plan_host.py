@@ -99,3 +99,46 @@ def test_one_row_page_check_agrees_with_the_batched_check(data, page_size):
         return None
 
     assert verdict([1]) == verdict([1, 1])
+
+
+def _plan_or_error(*args, **kwargs):
+    try:
+        meta = plan_decode(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    return (meta.num_real, meta.blocks_needed, meta.slots_checked, meta.page_size,
+            [(t.dtype, t.tolist()) for t in meta.inputs])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), block_size=st.sampled_from([8, 16]))
+def test_plan_of_one_request_equals_the_general_plan(data, page_size, block_size):
+    """``plan_decode`` of one decoder-only request on the host (``_plan_one_request``, the checks in their passing
+    form) returns what the general form returns, and where an input is bad leaves it to the general form, which
+    raises the same error: rows and lengths out of range, entries that are not slots or break the page layout,
+    windows (-1 and bad ones), capacities, int32 inputs, a transposed table."""
+    import compiled_attn.plan as plan_module
+
+    width, num_slots = 64, 8 * 64
+    table = torch.arange(8 * width, dtype=data.draw(st.sampled_from([torch.int32, torch.int64]))).view(8, width)
+    if data.draw(st.booleans()):
+        table = table.t().contiguous().t()
+    if data.draw(st.booleans()):  # an entry that is not a slot, or breaks the page layout
+        table[data.draw(st.integers(0, 7)), data.draw(st.integers(0, width - 1))] = data.draw(
+            st.sampled_from([-1, num_slots, 5]))
+    rows = torch.tensor([data.draw(st.integers(-1, 8))], dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
+    lens = torch.tensor([data.draw(st.integers(-1, width + 1))])
+    kwargs = dict(block_size=block_size, page_size=page_size,
+                  sliding_window=data.draw(st.sampled_from([None, -1, 0, 3, 40, True, 2.5, -2])),
+                  batch_capacity=data.draw(st.sampled_from([None, 0, 1, 3])),
+                  block_capacity=data.draw(st.sampled_from([None, 0, 2, 9])),
+                  check_slots=data.draw(st.booleans()))
+    args = (torch.zeros(1, 2, 8), torch.zeros(num_slots, 1, 8), torch.zeros(num_slots, 1, 8), table, rows, lens)
+    fast = _plan_or_error(*args, **kwargs)
+    one_request = plan_module._plan_one_request
+    plan_module._plan_one_request = lambda *a: None  # the general form only
+    try:
+        general = _plan_or_error(*args, **kwargs)
+    finally:
+        plan_module._plan_one_request = one_request
+    assert fast == general
