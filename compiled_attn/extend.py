@@ -19,7 +19,6 @@ softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,7 +28,7 @@ from .decode import SlotMap, merge_blocks, sinks_by_kv_head, translate_slots
 from .forms import choose_extend_form, explain
 from .kernels.cpu.extend_flash import ragged_tile_flash, run_on_threads, span_keys_for
 from .kv import dequantize, gather_rows, scale_pair
-from .plan import ExtendMetadata, cdiv
+from .plan import ExtendMetadata, cdiv, fields_of
 
 #: scores + probabilities of one matmul chunk stay near this many bytes (bounds memory, never [bs, L, L])
 MATMUL_CHUNK_BYTES = 32 << 20
@@ -59,10 +58,7 @@ class ExtendTileInputs(NamedTuple):
     q_ids: torch.Tensor
     k_ids: torch.Tensor
 
-    @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> ExtendTileInputs:
-        """The fields picked by name from a mapping that may hold more (a captured step's static buffers)."""
-        return cls(*(tensors[name] for name in cls._fields))
+    of = classmethod(fields_of)
 
 
 #: the [P] fields of ``ExtendTileInputs`` (the other two are the tile-size aranges)

@@ -20,11 +20,17 @@ import torch
 from . import validate
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DecodeInputs", "DecodeMetadata", "ExtendInputs", "ExtendMetadata", "aligned_kv_lo",
-           "cdiv", "check_capacity", "decode_blocks_needed", "decode_kv_bounds", "decode_kv_range", "gather_unit",
-           "int64_rows", "normalize_window", "plan_decode", "plan_extend", "total_blocks_needed"]
+           "cdiv", "check_capacity", "decode_blocks_needed", "decode_kv_bounds", "decode_kv_range", "fields_of",
+           "gather_unit", "int64_rows", "normalize_window", "plan_decode", "plan_extend", "total_blocks_needed"]
 
 DEFAULT_BLOCK_SIZE = 64
 
+
+
+def fields_of(cls, tensors: Mapping[str, torch.Tensor]):
+    """An instance of the NamedTuple ``cls`` of step inputs, its fields picked by name from a mapping that may hold
+    more (a captured step's static buffers): ``DecodeInputs.of``, ``ExtendTileInputs.of``, ``VerifyInputs.of``."""
+    return cls(*(tensors[name] for name in cls._fields))
 
 
 class DecodeInputs(NamedTuple):
@@ -42,10 +48,7 @@ class DecodeInputs(NamedTuple):
     block_ids: torch.Tensor
     block_offsets: torch.Tensor
 
-    @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> DecodeInputs:
-        """The fields picked by name from a mapping that may hold more (a captured step's static buffers)."""
-        return cls(*(tensors[name] for name in cls._fields))
+    of = classmethod(fields_of)
 
 
 class ExtendInputs(NamedTuple):
@@ -309,9 +312,7 @@ def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, slid
     lo = 0 if window is None else max(n - 1 - window, 0)  # decode_kv_bounds
     start = lo if page_size == 1 else lo - lo % gather_unit(page_size, block_size)
     if check_slots and n > start:  # validate.check_slots, check_page_layout
-        s0, s1 = req_to_token.stride()  # req_to_token[row, start:n], one view op
-        low, high = torch.aminmax(req_to_token.as_strided((n - start,), (s1,), req_to_token.storage_offset()
-                                                          + row * s0 + start * s1))
+        low, high = torch.aminmax(validate.row_slice(req_to_token, row, start, n))
         if low.item() < 0 or high.item() >= k_cache.shape[0]:
             return None
         if page_size > 1 and not validate._one_row_keeps_pages(req_to_token, row, start, n, page_size):

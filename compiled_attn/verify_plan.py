@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import validate
-from .plan import DEFAULT_BLOCK_SIZE, cdiv, check_capacity, gather_unit, int64_rows, total_blocks_needed
+from .plan import DEFAULT_BLOCK_SIZE, cdiv, check_capacity, fields_of, gather_unit, int64_rows, total_blocks_needed
 
 __all__ = ["CPU_MAX_VERIFY_BLOCK", "MASK_LAYOUTS", "VerifyInputs", "VerifyMetadata", "chain_mask", "check_custom_mask",
            "draft_mask_from_custom", "full_mask_numel", "mask_numel", "plan_verify", "prefix_blocks_needed",
@@ -44,6 +44,8 @@ class VerifyInputs(NamedTuple):
     block_ids: torch.Tensor
     block_offsets: torch.Tensor
     draft_mask: torch.Tensor
+
+    of = classmethod(fields_of)
 
 
 @dataclass
@@ -117,15 +119,16 @@ def plan_verify(
                          f"({bs * k} tokens); draft_len must be the same for every request")
     rows = validate.table_rows(req_to_token, req_pool_indices, bs, device)
     prefix = validate.length_values("prefix_lens", prefix_lens, bs, device)
-    validate.check_kv_end([n + k for n in prefix], req_to_token.shape[1], "prefix_lens + draft_len")
+    ends = [n + k for n in prefix]  # the draft keys' end: the positions read are [0, prefix_len + k)
+    validate.check_kv_end(ends, req_to_token.shape[1], "prefix_lens + draft_len")
     if mask_layout not in MASK_LAYOUTS:
         raise ValueError(f"mask_layout must be one of {MASK_LAYOUTS}, got {mask_layout!r}")
     prefix_host = torch.tensor(prefix, dtype=torch.int64)
     if custom_mask is not None:
         check_custom_mask(custom_mask, prefix_host, k, mask_layout, device)
     if check_slots:  # from position 0, a run boundary
-        validate.check_slots(req_to_token, rows, [0] * bs, [n + k for n in prefix], k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, [0] * bs, [n + k for n in prefix], page_size)
+        validate.check_slots(req_to_token, rows, [0] * bs, ends, k_cache.shape[0])
+        validate.check_page_layout(req_to_token, rows, [0] * bs, ends, page_size)
     validate.check_window_and_cap(sliding_window, None)
     needed = prefix_blocks_needed(prefix_host, k, block_size, page_size, sliding_window)
     bs_cap = check_capacity("batch_capacity", batch_capacity, bs)

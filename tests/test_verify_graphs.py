@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 from compiled_attn.bench.batches import assign_requests
 from compiled_attn.bench.ops_verify import random_tree
 from compiled_attn.runners.decode import GraphConfig, RowInput
-from compiled_attn.runners.verify import VerifyGraphs, VerifyKey, verify_inputs_of
-from compiled_attn.verify import build_verify_index, plan_verify, verify_blocks
+from compiled_attn.runners.verify import VerifyGraphs, VerifyKey
+from compiled_attn.verify import VerifyInputs, build_verify_index, plan_verify, verify_blocks
 
 HQ, HKV, D = 4, 2, 16
 SCALE = D ** -0.5
@@ -26,7 +26,7 @@ def verify_step(inputs, persistent):
     loc = inputs["out_cache_loc"].flatten()
     persistent["k"].index_copy_(0, loc, inputs["k_new"].flatten(0, 1))
     persistent["v"].index_copy_(0, loc, inputs["v_new"].flatten(0, 1))
-    index = build_verify_index(persistent["req_to_token"], verify_inputs_of(inputs))
+    index = build_verify_index(persistent["req_to_token"], VerifyInputs.of(inputs))
     return verify_blocks(inputs["q"].flatten(0, 1), persistent["k"], persistent["v"], index, SCALE)
 
 
@@ -136,7 +136,7 @@ def full_and_window_step(inputs, persistent):
     loc = inputs["out_cache_loc"].flatten()
     persistent["k"].index_copy_(0, loc, inputs["k_new"].flatten(0, 1))
     persistent["v"].index_copy_(0, loc, inputs["v_new"].flatten(0, 1))
-    q, planned = inputs["q"].flatten(0, 1), verify_inputs_of(inputs)
+    q, planned = inputs["q"].flatten(0, 1), VerifyInputs.of(inputs)
     full = build_verify_index(persistent["req_to_token"], planned)
     windowed = build_verify_index(persistent["req_to_token"], planned, sliding_window=WINDOW)
     return tuple(verify_blocks(q, persistent["k"], persistent["v"], index, SCALE) for index in (full, windowed))

@@ -1,7 +1,7 @@
 """Bucketed verify steps (speculative decoding's ``k`` draft tokens per request): the twin of ``runners.decode``.
 
 A verify step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of ``VerifyInputs``
-(``verify_inputs_of(inputs)`` picks them) plus the caller's per-token inputs (the draft tokens' queries, new K/V,
+(``VerifyInputs.of(inputs)`` picks them) plus the caller's per-token inputs (the draft tokens' queries, new K/V,
 output slots, ...), and whose ``persistent`` tensors are the KV caches and ``req_to_token``. A per-token input
 reaches the step as ``[bs, k, *shape]`` (request-major, as SGLang packs the draft tokens); the step flattens it
 to ``[bs * k, *shape]`` for ``verify_blocks`` and returns token-major outputs, ``[bs * k, ...]``.
@@ -44,11 +44,6 @@ class VerifyKey(NamedTuple):
     bs: int
     k: int
     kv_tokens: int
-
-
-def verify_inputs_of(tensors: Mapping[str, torch.Tensor]) -> VerifyInputs:
-    """The ``VerifyInputs`` fields picked by name from a mapping that may hold more (a bucket's static buffers)."""
-    return VerifyInputs(*(tensors[name] for name in VerifyInputs._fields))
 
 
 def _check_draft_lens(draft_lens) -> tuple[int, ...]:
