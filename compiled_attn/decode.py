@@ -16,11 +16,10 @@ All functions here are pure tensor code: no ``.item()``, no host sync, no value-
 """
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import validate
@@ -155,107 +154,47 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
                           slot_map: SlotMap | None = None) -> DecodeIndex:
-    """``build_decode_index`` of a batch of one on CPU, eagerly, equal field by field to the general form: the
-    request's range read on the host (a CPU tensor: no sync), its slots copied from one view of its table row, the
-    masked positions (before ``kv_lo`` in the first block, past ``kv_hi`` in the last) set from their block's first
-    slot, and where the keys start a block, ``valid`` and ``block_req`` views of constants (``_prefix_view``). Why:
-    the general form's ~25 small ops cost as much as the attention of a short request at batch 1; this is ~5.
+    """``build_decode_index`` of a batch of one on CPU, eagerly, equal field by field to the general form, built in
+    numpy on the host: the request's slots copied from its table row, the masked positions (before ``kv_lo`` in
+    the first block, past ``kv_hi`` in the last) set from their block's first slot. Why: the general form's ~25
+    torch ops cost as much as the attention of a short request at batch 1; a numpy op costs a fraction of one.
     Traced code (``torch.compile``) and CUDA keep the general form."""
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     block_size, capacity = block_offsets.shape[0], block_ids.shape[0]
     row, lo, hi = req_rows.item(), kv_lo.item(), kv_hi.item()
+    table = validate.host_row(req_to_token, row, 0, req_to_token.shape[1])
+    if table is None or lo < 0 or hi > table.shape[0]:  # the general form names the error
+        return _batched_index(req_to_token, inputs, unit, slot_map)
     start = lo - lo % unit
     nblk = min(cdiv(hi - start, block_size), capacity) if hi > lo else 0
     n = nblk * block_size
     first, end = lo - start, min(hi - start, n)  # the request's keys: positions [first, end) of its blocks
-    shape = (capacity, block_size)
-    rows, width = req_to_token.shape
-    if slot_map is None and nblk == capacity and 0 <= row < rows and 0 <= start and start + n <= width:
-        # every block used, all inside the table (the common case): one copy of a [capacity, block_size] view
-        s0, s1 = req_to_token.stride()
-        view = req_to_token.as_strided(shape, (block_size * s1, s1), req_to_token.storage_offset() + row * s0
-                                       + start * s1)
-        slots = view.clone() if view.dtype == torch.int64 else view.long()  # .long(): half .to()'s cost
-        # masked positions read their block's first slot (the request's own), as in the general form
-        if first > 1 and n:
-            _fill_flat(slots, 1, first, 0)
-        if end < n:
-            _fill_flat(slots, end, n, n - block_size)
+    raw = table[start:start + n]  # shorter than n where the last block runs past the table's width
+    if slot_map is not None:
+        raw = slot_map.table.numpy()[raw.clip(0, slot_map.table.shape[0] - 1)].astype(np.int64)
+        raw = raw.clip(0, slot_map.num_slots - 1)
+    if raw.shape[0] == capacity * block_size:  # every block used, all inside the table
+        slots = raw.astype(np.int64)
     else:
-        slots = _sliced_slots(req_to_token, row, start, n, first, end, capacity, block_size, slot_map)
-        raw = slots[1]
-        slots = slots[0].view(shape)
-    if first == 0:
-        valid = _prefix_view(end, shape, True, False, torch.bool)
-    else:
-        valid = torch.zeros(shape, dtype=torch.bool)
-        valid.view(-1)[first:end] = True
-    block_req = _block_rows(nblk, capacity)  # unused blocks: row 1 (= bs)
-    units = None
-    if unit > 1:  # slots[:, ::unit] // unit, in two ops
-        units = torch.div(slots.as_strided((capacity, block_size // unit), (block_size, unit), 0), unit,
-                          rounding_mode="floor")
-    index = DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units,
+        slots = np.zeros(capacity * block_size, dtype=np.int64)  # unused blocks read the padding slot
+        slots[:raw.shape[0]] = raw
+    if n:  # masked positions read their block's first slot (the request's own), as in the general form
+        slots[1:first] = slots[0]
+        slots[end:n] = slots[n - block_size]
+    valid = np.zeros(capacity * block_size, dtype=np.bool_)
+    valid[first:end] = True
+    block_req = np.ones(capacity, dtype=np.int64)  # unused blocks: row 1 (= bs)
+    block_req[:nblk] = 0
+    slots = slots.reshape(capacity, block_size)
+    units = torch.from_numpy(slots[:, ::unit] // unit) if unit > 1 else None
+    index = DecodeIndex(block_req=torch.from_numpy(block_req), slots=torch.from_numpy(slots),
+                        valid=torch.from_numpy(valid.reshape(capacity, block_size)), unit=unit, units=units,
                         req_to_token=req_to_token, inputs=inputs)
     if slot_map is not None:  # the translated slots as the table (as the general form's)
-        index.req_to_token = raw[None].to(torch.int32)
+        index.req_to_token = torch.from_numpy(raw[None].astype(np.int32))
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
                                        kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
-
-
-def _fill_flat(t: torch.Tensor, lo: int, hi: int, src: int) -> None:
-    """Entries ``[lo, hi)`` of a fresh contiguous tensor, in row-major order, set to its entry ``src`` (outside them):
-    a copy from a stride-0 view, where the indexing form takes three views and a fill."""
-    t.as_strided((hi - lo,), (1,), lo).copy_(t.as_strided((hi - lo,), (0,), src))
-
-
-def _sliced_slots(req_to_token: torch.Tensor, row: int, start: int, n: int, first: int, end: int, capacity: int,
-                  block_size: int, slot_map: SlotMap | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_single_request_index``'s slots [capacity * block_size] where blocks go unused, the row ends early or the
-    slots are translated; and the row's slots read (translated), ``raw``."""
-    raw = req_to_token[row, start:start + n]  # shorter than n where the last block runs past the table's width
-    if slot_map is not None:
-        raw = translate_slots(raw.to(torch.int64), slot_map)
-    if n == capacity * block_size and raw.shape[0] == n:  # every block used, all inside the table: one copy
-        slots = raw.to(torch.int64, copy=True)
-    else:
-        slots = torch.zeros(capacity * block_size, dtype=torch.int64)  # unused blocks read the padding slot
-        slots[:raw.shape[0]] = raw
-    if n:  # masked positions read their block's first slot (the request's own), as in the general form
-        if first > 1:
-            slots[1:first] = raw[0]
-        if end < n:
-            slots[end:n] = raw[n - block_size]
-    return slots, raw
-
-
-_PREFIX_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def _prefix_view(count: int, shape: tuple[int, ...], before, after, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous tensor of ``shape`` (one or two dimensions, on the CPU) whose first ``count`` entries in
-    row-major order are ``before`` and the rest ``after``: a view of a constant ``[before] * half + [after] * half``
-    made once per (values, dtype) and grown as needed. Why: a fresh tensor and its fill are two or three tensor ops a
-    step at batch 1, a view is one. Read only, as every tensor of a ``DecodeIndex`` is (its consumers never write
-    it)."""
-    length = math.prod(shape)
-    key = (before, after, dtype)
-    const = _PREFIX_CONSTANTS.get(key)
-    if const is None or const.shape[0] < 2 * length:
-        half = 1 << max(length, 4096).bit_length()
-        with torch.inference_mode(False):  # a plain tensor: read inside inference mode or out of it
-            const = _PREFIX_CONSTANTS[key] = torch.cat([torch.full((half,), before, dtype=dtype),
-                                                        torch.full((half,), after, dtype=dtype)])
-    strides = (shape[1], 1) if len(shape) == 2 else (1,)
-    return const.as_strided(shape, strides, const.shape[0] // 2 - count)
-
-
-@functools.lru_cache(maxsize=256)
-def _block_rows(nblk: int, capacity: int) -> torch.Tensor:
-    """A batch of one's ``block_req`` (``nblk`` used blocks of ``capacity``: row 0, the rest row 1, = bs): a
-    ``_prefix_view`` kept, as a step's is the last step's (a request's block count changes once a block)."""
-    return _prefix_view(nblk, (capacity,), 0, 1, torch.int64)
 
 
 def decode_blocks(

@@ -312,10 +312,9 @@ def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, slid
     lo = 0 if window is None else max(n - 1 - window, 0)  # decode_kv_bounds
     start = lo if page_size == 1 else lo - lo % gather_unit(page_size, block_size)
     if check_slots and n > start:  # validate.check_slots, check_page_layout
-        low, high = torch.aminmax(validate.row_slice(req_to_token, row, start, n))
-        if low.item() < 0 or high.item() >= k_cache.shape[0]:
-            return None
-        if page_size > 1 and not validate._one_row_keeps_pages(req_to_token, row, start, n, page_size):
+        slots = validate.host_row(req_to_token, row, start, n)
+        if slots is None or not validate.slots_fit(slots, k_cache.shape[0]) or (
+                page_size > 1 and not validate.row_keeps_pages(slots, start, page_size)):
             return None
     needed = (n - start + block_size - 1) // block_size if n > lo else 0  # total_blocks_needed
     bs_cap = 1 if batch_capacity is None else check_capacity("batch_capacity", batch_capacity, 1)

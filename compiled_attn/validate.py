@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from graphs.row_inputs import check_slot_values as check_slot_values
@@ -121,30 +122,32 @@ def _host_tensor(t: Ints) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64)
 
 
-def row_slice(table: torch.Tensor, row: int, lo: int, hi: int) -> torch.Tensor:
-    """``table[row, lo:hi]`` of a 2-D tensor, for ``0 <= row < rows`` and ``0 <= lo`` (``hi`` clipped to the width): one
-    ``as_strided`` view where the indexing form is two view ops (select, slice), a few us each at batch 1."""
-    s0, s1 = table.stride()
-    hi = min(hi, table.shape[1])
-    return table.as_strided((max(hi - lo, 0),), (s1,), table.storage_offset() + row * s0 + min(lo, hi) * s1)
+def host_row(table: torch.Tensor, row: int, lo: int, hi: int) -> np.ndarray | None:
+    """``table[row, lo:hi]`` of a 2-D CPU tensor as a numpy view (``hi`` clipped to the width), or None where the
+    row or ``lo`` lies outside the table or the table is not on the host. Why numpy: the checks of a batch of one
+    are a few reductions over a few thousand ints, where a numpy op costs about 1 us and a torch op 3 to 5."""
+    if not (table.is_cpu and 0 <= row < table.shape[0] and 0 <= lo) or table.requires_grad:
+        return None
+    return table.numpy()[row, lo:hi]
 
 
-def _strided(t: torch.Tensor, first: int, step: int) -> torch.Tensor:
-    """``t[first::step]`` of a 1-D tensor (``first < len(t)``) in one view op."""
-    stride = t.stride(0)
-    return t.as_strided((-(-(t.shape[0] - first) // step),), (step * stride,), t.storage_offset() + first * stride)
+def slots_fit(slots: np.ndarray, num_slots: int) -> bool:
+    """Every entry of ``slots`` (a ``host_row``) is a slot in ``[0, num_slots)``."""
+    return not slots.size or (int(slots.min()) >= 0 and int(slots.max()) < num_slots)
 
 
-_FILLS: dict[tuple, torch.Tensor] = {}  # (value, dtype) -> a host constant of that value, grown as needed
-
-
-def _filled(n: int, value: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.full((n,), value, dtype=dtype)`` (host) as a view of a shared constant (read only): one op a call."""
-    const = _FILLS.get((value, dtype))
-    if const is None or const.shape[0] < n:
-        with torch.inference_mode(False):  # a plain tensor: read inside inference mode or out of it
-            const = _FILLS[(value, dtype)] = torch.full((1 << max(n, 4096).bit_length(),), value, dtype=dtype)
-    return const[:n]
+def row_keeps_pages(slots: np.ndarray, lo: int, page_size: int) -> bool:
+    """The slots of positions ``[lo, lo + len(slots))`` keep ``check_page_layout``'s layout: position ``p``'s slot
+    minus ``p`` is a multiple of ``page_size`` (its offset in a page is ``p``'s), the same for every position of a
+    page (a page's slots are consecutive)."""
+    if slots.size < 1:
+        return True
+    shift = slots - np.arange(lo, lo + slots.size, dtype=slots.dtype)
+    if (shift % page_size).any():
+        return False
+    step = np.diff(shift)  # step[i]: position lo + i + 1, which may jump where it starts a page
+    step[(-lo - 1) % page_size::page_size] = 0
+    return not step.any()
 
 
 def check_kv_end(kv_end: Ints, width: int, what: str) -> None:
@@ -207,18 +210,16 @@ def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_
     width = max(_values(hi), default=0)
     if len(rows) == 0 or width <= 0:
         return
-    # the common case first, in two ops (the table's least and greatest entry read, or stale but in the rows read)
-    table = None  # [bs, width], the rows read (a batch of one reads only its range, a view)
+    # the common case first: a batch of one on the host in two numpy reductions, else the table's least and
+    # greatest entry (or stale but in the rows read) in one op
+    table = None  # [bs, width], the rows read
     if len(rows) == 1:
-        row, start = int(rows[0]), int(lo[0])
-        if 0 <= row < req_to_token.shape[0] and 0 <= start:
-            first = row_slice(req_to_token, row, start, width)
-        else:
-            first = req_to_token[row, start:width]
+        one = host_row(req_to_token, int(rows[0]), int(lo[0]), width)
+        if one is not None and slots_fit(one, num_slots):
+            return
     else:
-        first = table = req_to_token[_host_tensor(rows).to(req_to_token.device), :width]
-    if first.numel():
-        low, high = torch.aminmax(first)
+        table = req_to_token[_host_tensor(rows).to(req_to_token.device), :width]
+        low, high = torch.aminmax(table)
         if low.item() >= 0 and high.item() < num_slots:
             return
     rows, lo, hi = (_host_tensor(t) for t in (rows, lo, hi))
@@ -246,7 +247,8 @@ def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints
     width = max(_values(hi), default=0)
     if len(rows) == 0 or width <= 0:
         return
-    if len(rows) == 1 and _one_row_keeps_pages(req_to_token, int(rows[0]), int(lo[0]), width, page_size):
+    one = host_row(req_to_token, int(rows[0]), int(lo[0]), width) if len(rows) == 1 else None
+    if one is not None and row_keeps_pages(one, int(lo[0]), page_size):
         return
     rows, lo, hi = (_host_tensor(t) for t in (rows, lo, hi))
     used = req_to_token[rows.to(req_to_token.device), :width].cpu().to(torch.int64)  # [bs, width]
@@ -262,29 +264,6 @@ def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints
         raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} breaks the page layout of "
                          f"page_size={page_size}: position {j} must be slot page_start + {j % page_size} of a page "
                          f"of {page_size} consecutive slots starting at a multiple of {page_size}")
-
-
-def _one_row_keeps_pages(req_to_token: torch.Tensor, row: int, lo: int, hi: int, page_size: int) -> bool:
-    """``check_page_layout`` of one row's positions ``[lo, hi)`` (all read: no masks), in a few ops:
-    the slots step by one but where a page starts (the next position of a page is the next slot), and the first
-    position read of each page sits at its offset in a page (then all of the page's do). The entries are slots
-    (``check_slots`` ran first, as every plan runs it), so the steps of an int32 table cannot wrap. False: the
-    general check finds the entry to name."""
-    if hi - lo < 1:
-        return True
-    if not (0 <= row < req_to_token.shape[0] and 0 <= lo and hi <= req_to_token.shape[1]):
-        return False
-    slots = row_slice(req_to_token, row, lo, hi).cpu()  # a host read where the table is on CUDA
-    step = slots.diff()  # step[i]: position lo + i + 1
-    first = (-lo - 1) % page_size  # positions that start a page may jump
-    if first < step.shape[0]:
-        _strided(step, first, page_size).fill_(1)
-    if not torch.equal(step, _filled(step.shape[0], 1, step.dtype)):
-        return False
-    if lo % page_size and (_strided(slots, 0, hi - lo).item() - lo) % page_size:  # the first page, entered mid-way
-        return False
-    start = (-lo) % page_size  # the pages started inside the range
-    return start >= slots.shape[0] or not _strided(slots, start, page_size).remainder(page_size).count_nonzero().item()
 
 
 def check_sinks(sinks, num_heads: int) -> None:

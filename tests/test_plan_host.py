@@ -78,7 +78,7 @@ def test_single_request_index_through_a_slot_map_equals_the_tensor_form(data, pa
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), page_size=st.sampled_from([2, 4, 16]))
 def test_one_row_page_check_agrees_with_the_batched_check(data, page_size):
-    """A batch of one checks its page layout without masks (``_one_row_keeps_pages``); it refuses exactly the tables
+    """A batch of one checks its page layout in numpy (``validate.row_keeps_pages``); it refuses exactly the tables
     the batched check refuses (the same row twice), with the same message: slots off their page offset, a page's
     slots not consecutive, ranges starting inside a page."""
     pages = 6
