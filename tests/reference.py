@@ -72,7 +72,24 @@ def in_place_op():
 
 
 def scaled_queries(q, num_kv_heads, scale):
-    """q [bs, Hq, D] (any float dtype) -> [bs, Hkv, Hq // Hkv, D] float32, scaled, grouped by KV head: the queries
-    ``native_decode.native_block_partials`` takes."""
+    """q [bs, Hq, D] (any float dtype) -> [bs, Hkv, Hq // Hkv, D] float32, scaled, grouped by KV head: the query rows
+    the C++ kernel computes (``.flatten(1, 2)`` gives them back as the merged op's q, one token a row)."""
     bs, hq, d = q.shape
     return q.reshape(bs, num_kv_heads, hq // num_kv_heads, d).float().mul(scale)
+
+
+def keys_attention(q, keys, k_cache, v_cache, *, k_scale=1.0, v_scale=1.0, logit_cap=0.0):
+    """Each query row's softmax attention over keys of its own, in float64: q [R, Hq, D] (a score is q . K times
+    k_scale, soft-capped where logit_cap), keys: R int64 tensors of KV slots -> [R, Hq, Dv]; zeros for a row with no
+    key. With one block's valid slots as a row's keys it is what the C++ kernel's merged op gives a row that owns that
+    block alone."""
+    group = q.shape[1] // k_cache.shape[1]
+    outs = []
+    for qr, slots in zip(q, keys, strict=True):
+        k = k_cache[slots].double().repeat_interleave(group, 1) * k_scale  # [n, Hq, D]
+        v = v_cache[slots].double().repeat_interleave(group, 1) * v_scale
+        s = torch.einsum("hd,nhd->hn", qr.double(), k)
+        if logit_cap:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v))  # no key: an empty sum, zeros
+    return torch.stack(outs)

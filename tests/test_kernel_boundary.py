@@ -1,8 +1,8 @@
 """The C++ kernel's boundary (``csrc/torch_op.cpp`` and the index checks of ``csrc/block_partials.cpp``): every
 index the kernel reads is checked against what it indexes, and each violation is a ValueError naming the argument
-and its limit, built here by hand against the ops: q's rows and heads, block rows, the block table's counts, slots
+and its limit, built here by hand against the op: q's rows and heads, block rows, the block table's counts, slots
 of valid positions and of draft keys a token sees, the caches' heads and head sizes, sinks, the draft tensors and
-the path. The ops are torch ops with a schema (the build's ``ops``), registered per build."""
+the path. The op is a torch op with a schema (the build's ``ops``), registered per build."""
 from __future__ import annotations
 
 import pytest
@@ -11,15 +11,15 @@ import torch
 from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index
 from compiled_attn.kernels.cpu import kernel as cpu_kernel
-from compiled_attn.kernels.cpu.kernel import native_available, native_block_partials, native_decode_blocks
+from compiled_attn.kernels.cpu.kernel import native_available, native_decode_blocks
 from compiled_attn.plan import plan_decode
-from tests.reference import scaled_queries
+from tests.reference import reference_attention
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
 
 
 def _call(hq=4, hkv=2, d=32, lens=(40, 70), page_size=1, block_size=16):
-    """A small batch and its index: (batch, index, merged-op args, partials-op args)."""
+    """A small batch and its index: (batch, index, the merged op's args)."""
     b = make_batch(list(lens), hq=hq, hkv=hkv, dqk=d, decode=True, page_size=page_size, seed=3)
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        page_size=page_size)
@@ -27,11 +27,7 @@ def _call(hq=4, hkv=2, d=32, lens=(40, 70), page_size=1, block_size=16):
     merged = dict(q=b.q, block_req=index.block_req, runs=index.runs, valid=index.valid, unit=index.unit,
                   k_cache=b.k_cache, v_cache=b.v_cache, k_scale=d ** -0.5, v_scale=1.0, logit_cap=0.0,
                   num_rows=len(lens))
-    n = int((index.block_req < len(lens)).sum())
-    partials = dict(qs=scaled_queries(b.q, hkv, d ** -0.5), block_req=index.block_req[:n], runs=index.runs[:n],
-                    valid=index.valid[:n], unit=index.unit, k_cache=b.k_cache, v_cache=b.v_cache, k_scale=1.0,
-                    v_scale=1.0, logit_cap=0.0)
-    return b, index, merged, partials
+    return b, index, merged
 
 
 def _raises(op, args, match, **changes):
@@ -39,17 +35,20 @@ def _raises(op, args, match, **changes):
         op(**{**args, **changes})
 
 
-def test_both_ops_run_on_good_inputs():
-    """The calls the bad ones below are built from run (and agree: the merged op is the partials' merge)."""
-    _, _, merged, partials = _call()
-    assert native_decode_blocks(**merged).shape == (2, 4, 32)
-    assert native_block_partials(**partials)[2].shape[1:] == (2, 2, 32)
+def test_the_op_runs_on_good_inputs():
+    """The call the bad ones below are built from runs, and gives the float64 reference's decode."""
+    b, _, merged = _call()
+    out = native_decode_blocks(**merged)
+    ref = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                              b.ext_lens, scale=32 ** -0.5)
+    assert out.shape == (2, 4, 32)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_query_rows_and_heads():
     """q must hold num_rows x tokens rows (a write location: the output has q's rows) of a multiple of Hkv heads
-    and D = k_cache's head size; the partials form's qs its Hkv heads and float32."""
-    _, _, merged, partials = _call()
+    and D = k_cache's head size, in a dtype the kernel reads."""
+    _, _, merged = _call()
     q = merged["q"]
     for bad in (q[:1], q[:, :3], q.double()):
         _raises(native_decode_blocks, merged, r"q must be \[num_rows \* tokens = 2, Hq \(a multiple of Hkv=2\), D\]",
@@ -57,44 +56,44 @@ def test_query_rows_and_heads():
     _raises(native_decode_blocks, merged, r"q must be \[num_rows \* tokens = 3", num_rows=3)
     _raises(native_decode_blocks, merged, r"q must be \[num_rows \* tokens = 4", tokens=2)
     _raises(native_decode_blocks, merged, r"k_cache must be \[num_slots, Hkv, D=16\]", q=q[..., :16].contiguous())
-    qs = partials["qs"]
-    _raises(native_block_partials, partials, r"qs must be float32 \[rows, Hkv=2, G, D\], got float32 \(2, 1, 2, 32\)",
-            qs=qs[:, :1])
-    _raises(native_block_partials, partials, r"qs must be float32", qs=qs.bfloat16())
+    _raises(native_decode_blocks, merged, r"q must be .* in one of float32, bfloat16, float16, got int32 \(2, 4, 32\)",
+            q=q.int())
 
 
 def test_block_rows_against_q_and_the_batch():
-    """A block's row indexes q (the partials form: [0, rows)) or the batch (the merged form: rows and past them are
-    a bucket's unused blocks, a negative one is refused); checked in the kernel's pass, before anything is read."""
-    _, index, merged, partials = _call()
-    for bad in (partials["block_req"] + 2, partials["block_req"] - 1):
-        _raises(native_block_partials, partials, r"block_req holds a row outside \[0, 2\) \(q's rows\)", block_req=bad)
-    bad = index.block_req.clone()
-    bad[-1] = -1
-    _raises(native_decode_blocks, merged, r"block_req holds a row outside \[0, 2\) \(q's rows, or past them for an "
-                                          "unused block\\)", block_req=bad)
-    unused = index.block_req.clone()
-    unused[-1] = 10 ** 6  # past the batch: an unused block, skipped
-    assert native_decode_blocks(**{**merged, "block_req": unused}).shape == (2, 4, 32)
+    """A block's row indexes the batch: rows and past them are a bucket's unused blocks (skipped), a negative one is
+    refused; checked in the kernel's pass, before anything is read."""
+    _, index, merged = _call()
+    last = index.block_req.clone()
+    last[-1] = -1
+    for bad in (last, index.block_req - 1, index.block_req - 2 ** 40):
+        _raises(native_decode_blocks, merged, r"block_req holds a row outside \[0, 2\) \(q's rows, or past them for "
+                                              r"an unused block\)", block_req=bad)
+    want = native_decode_blocks(**merged)
+    unused = torch.cat([index.block_req, torch.tensor([2, 10 ** 6])])  # past the batch: unused blocks, skipped
+    runs = torch.cat([index.runs, torch.full((2, index.runs.shape[1]), 10 ** 9)])  # outside the cache: never read
+    valid = torch.cat([index.valid, torch.ones(2, index.valid.shape[1], dtype=torch.bool)])
+    torch.testing.assert_close(native_decode_blocks(**{**merged, "block_req": unused, "runs": runs, "valid": valid}),
+                               want, atol=0, rtol=0)
+    gone = native_decode_blocks(**{**merged, "block_req": index.block_req + 2})  # every block unused
+    assert gone.shape == (2, 4, 32) and (gone == 0).all()
 
 
 def test_block_counts_and_the_table_shapes():
     """block_req, runs and valid must agree on the number of blocks n, runs on B // unit, unit must divide B; each
     named with the limit it breaks."""
-    _, index, merged, partials = _call()
+    _, index, args = _call()
     n, b = index.valid.shape
-    for op, args in ((native_decode_blocks, merged), (native_block_partials, partials)):
-        blocks = args["valid"].shape[0]
-        _raises(op, args, r"block_req must be int64 \[n\], got int32", block_req=args["block_req"].int())
-        _raises(op, args, r"block_req must be int64 \[n\]", block_req=args["block_req"][None])
-        _raises(op, args, rf"valid must be bool \[n={blocks}, B\], got bool \({blocks - 1}, {b}\)",
-                valid=args["valid"][:-1])
-        _raises(op, args, rf"valid must be bool \[n={blocks}, B\], got int64", valid=args["valid"].long())
-        _raises(op, args, rf"runs must be int64 \[n={blocks}, B // unit={b}\], got int64 \({blocks - 1}, {b}\)",
-                runs=args["runs"][:-1])
-        _raises(op, args, rf"runs must be int64 \[n={blocks}, B // unit={b}\], got int32", runs=args["runs"].int())
-        _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 3", unit=3)
-        _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 0", unit=0)
+    op = native_decode_blocks
+    _raises(op, args, r"block_req must be int64 \[n\], got int32", block_req=args["block_req"].int())
+    _raises(op, args, r"block_req must be int64 \[n\]", block_req=args["block_req"][None])
+    _raises(op, args, rf"valid must be bool \[n={n}, B\], got bool \({n - 1}, {b}\)", valid=args["valid"][:-1])
+    _raises(op, args, rf"valid must be bool \[n={n}, B\], got int64", valid=args["valid"].long())
+    _raises(op, args, rf"runs must be int64 \[n={n}, B // unit={b}\], got int64 \({n - 1}, {b}\)",
+            runs=args["runs"][:-1])
+    _raises(op, args, rf"runs must be int64 \[n={n}, B // unit={b}\], got int32", runs=args["runs"].int())
+    _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 3", unit=3)
+    _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 0", unit=0)
 
 
 @pytest.mark.parametrize("hq, page_size", [(4, 1), (4, 16), (32, 16)], ids=["vector", "vector-pages", "wide"])
@@ -103,15 +102,14 @@ def test_slots_of_valid_positions_against_the_caches(hq, page_size):
     around int64, at a valid position: a ValueError naming runs and num_slots (the position is never read); the
     same run at an invalid position is never read and no error. The vector path and (16 rows per KV head) the wide
     one."""
-    b, index, merged, partials = _call(hq=hq, page_size=page_size)
+    b, index, merged = _call(hq=hq, page_size=page_size)
     unit, slots = index.unit, b.k_cache.shape[0]
     assert index.valid[1, 0]
     for run in (slots // unit + 3, -1, 2 ** 62 + 1):
         runs = index.runs.clone()
         runs[1, 0] = run
-        for op, args in ((native_decode_blocks, merged), (native_block_partials, partials)):
-            _raises(op, args, rf"runs names a KV slot outside the cache at a valid position \(num_slots {slots}\)",
-                    runs=runs[:args["runs"].shape[0]])
+        _raises(native_decode_blocks, merged, rf"runs names a KV slot outside the cache at a valid position "
+                                              rf"\(num_slots {slots}\)", runs=runs)
     valid = index.valid.clone()
     valid[1, :unit] = False
     runs = index.runs.clone()
@@ -122,17 +120,17 @@ def test_slots_of_valid_positions_against_the_caches(hq, page_size):
 def test_caches_heads_head_sizes_and_dtypes():
     """k_cache and v_cache must have Hkv heads each, D = q's head size, Dv a multiple of 16, one dtype the kernel
     reads and each row's last dim contiguous: their rows and heads are indexed by the slots and the KV heads."""
-    b, _, merged, partials = _call()
+    b, _, merged = _call()
     k, v = b.k_cache, b.v_cache
-    for op, args in ((native_decode_blocks, merged), (native_block_partials, partials)):
-        _raises(op, args, r"v_cache must be \[num_slots, Hkv=2, Dv\] in k_cache's float32", v_cache=v[:, :1])
-        _raises(op, args, r"v_cache must be .* got bfloat16", v_cache=v.bfloat16())
-        _raises(op, args, r"v_cache must be .* Dv a multiple of 16", v_cache=v[..., :8])
-        _raises(op, args, r"k_cache must be \[num_slots, Hkv, D=32\] .* got float64", k_cache=k.double(),
-                v_cache=v.double())
-        _raises(op, args, r"k_cache must be \[num_slots, Hkv, D=32\] .* its last dim contiguous",
-                k_cache=torch.cat([k, k], -1)[..., ::2])
-        _raises(op, args, r"k_cache must be \[num_slots, Hkv, D\], got float32 \(", k_cache=k.flatten(1))
+    op = native_decode_blocks
+    _raises(op, merged, r"v_cache must be \[num_slots, Hkv=2, Dv\] in k_cache's float32", v_cache=v[:, :1])
+    _raises(op, merged, r"v_cache must be .* got bfloat16", v_cache=v.bfloat16())
+    _raises(op, merged, r"v_cache must be .* Dv a multiple of 16", v_cache=v[..., :8])
+    _raises(op, merged, r"k_cache must be \[num_slots, Hkv, D=32\] .* got float64", k_cache=k.double(),
+            v_cache=v.double())
+    _raises(op, merged, r"k_cache must be \[num_slots, Hkv, D=32\] .* its last dim contiguous",
+            k_cache=torch.cat([k, k], -1)[..., ::2])
+    _raises(op, merged, r"k_cache must be \[num_slots, Hkv, D\], got float32 \(", k_cache=k.flatten(1))
     # a cache with fewer rows than the other: slots are checked against the smaller
     runs = merged["runs"].clone()
     short = v[: int(runs[0, 0]) * merged["unit"]]
@@ -143,7 +141,7 @@ def test_sinks_and_the_draft_keys():
     """sinks must hold Hkv x G logits; draft_slots [>= num_rows, nd] int64 and draft_mask [>= num_rows, tokens
     dividing G, nd] go together; a draft key some token sees whose slot lies outside the caches is refused (one no
     token sees is never read)."""
-    b, _, merged, _ = _call(hq=8)  # G = 4
+    b, _, merged = _call(hq=8)  # G = 4
     slots = b.k_cache.shape[0]
     _raises(native_decode_blocks, merged, r"sinks must hold Hkv x G = 8 logits, got float32 \(3,\)",
             sinks=torch.zeros(3))
@@ -168,7 +166,7 @@ def test_sinks_and_the_draft_keys():
 def test_paths_by_name_and_by_number():
     """An unknown path name is a ValueError naming path (the opaque op), a number outside the kernel's paths one
     from the build's op, and a path this build or shape does not run one naming it and kernel_path."""
-    _, _, merged, _ = _call()
+    _, _, merged = _call()
     _raises(native_decode_blocks, merged, r"path must be one of", path="fast")
     ops = cpu_kernel.library().ops
     args = list(merged.values())
@@ -179,11 +177,11 @@ def test_paths_by_name_and_by_number():
 
 
 def test_the_ops_are_torch_ops_with_the_python_ops_arguments():
-    """Each build's ops are registered with a schema (in a namespace of the build's own) whose arguments are the
-    Python ops' (the path by its number): torch checks their types before the C++ checks the rest."""
+    """Each build's op is registered with a schema (in a namespace of the build's own) whose arguments are the
+    Python op's (the path by its number): torch checks their types before the C++ checks the rest."""
     ops = cpu_kernel.library().ops
-    for cxx, py in ((ops.decode_blocks, native_decode_blocks), (ops.block_partials, native_block_partials)):
-        assert [a.name for a in cxx._schema.arguments] == [a.name for a in py._schema.arguments]
-        assert cxx._schema.name.startswith("compiled_attn_block_partials_")
+    cxx = ops.decode_blocks
+    assert [a.name for a in cxx._schema.arguments] == [a.name for a in native_decode_blocks._schema.arguments]
+    assert cxx._schema.name.startswith("compiled_attn_block_partials_")
     with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument 'path'"):
         ops.decode_blocks(*list(_call()[2].values()), None, 0.0, None, None, 1, "vector")

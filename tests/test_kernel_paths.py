@@ -3,7 +3,7 @@
 - ``COMPILED_ATTN_ISA``: the levels a CPU runs (from its flags), the errors for an unknown level or one above the
   CPU, and what each level's build says it runs (``ca_isa``).
 - At every level this CPU runs (``ISA_LEVELS``; a level above it skips, naming the flags it lacks): the kernel
-  accepts exactly the paths ``path_fits`` names (and refuses the others), and every path the level's build has
+  runs exactly the paths ``path_fits`` names (and refuses the others), and every path the level's build has
   gives the float64 reference's decode and verify through the dispatchers, which run what ``choose_form`` names.
 - ``choose_form``'s logic for every kind of build (AMX, AVX512-BF16, AVX2, none), on any machine.
 - ``COMPILED_ATTN_EXPLAIN=1``: one log line per distinct choice, eagerly and at trace time.
@@ -30,11 +30,12 @@ from compiled_attn.kernels.cpu.kernel import (
     ISA_TILES_USABLE,
     KINDS,
     PATHS,
+    native_decode_blocks,
     path_fits,
 )
 from compiled_attn.plan import plan_decode
 from compiled_attn.verify import verify_attention
-from tests.reference import reference_attention
+from tests.reference import keys_attention, reference_attention
 
 LEVELS = cpu_kernel.cpu_isa_levels()
 #: the bits each level's build must report (beside them: only the tile registers' permission, with AMX)
@@ -99,26 +100,38 @@ def test_each_level_builds_what_it_names(level_kernel):
     assert not bits & ISA_TILES_USABLE or isa == "amx"
 
 
-def _kernel_rc(lib, kind: int, g: int, d: int, dv: int, q_bf16_scale: float, path: int) -> int:
-    """The kernel's return code for an empty call (no blocks: only its checks run)."""
-    args = [kind, None, None, None, None, None, None, 0, 0, 0, 0, 0, 1, g, d, dv, 16, 1, 1.0, 1.0, 0.0, None, None,
-            None, 1, 0, None, None, 0, q_bf16_scale, None, None, 0, 0, 0, 1, 0, path, 0]
-    return lib.ca_block_partials(*args)
+def _one_block_call(kv_dtype, q_bf16: bool, g: int, d: int, dv: int):
+    """A call of one row, one KV head with ``g`` query rows and one block of 16 keys, q bf16 (``q_bf16_scale`` 1.0)
+    or float32: (merged op args, the float64 reference's output)."""
+    gen = torch.Generator().manual_seed(g * 1000 + d)
+    q = torch.randn(1, g, d, generator=gen).to(torch.bfloat16 if q_bf16 else torch.float32)
+    k_cache = torch.randn(16, 1, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(16, 1, dv, generator=gen).to(kv_dtype)
+    slots = torch.arange(16)
+    args = (q, torch.zeros(1, dtype=torch.long), slots[None], torch.ones(1, 16, dtype=torch.bool), 1, k_cache,
+            v_cache, d ** -0.5, 1.0, 0.0, 1, None, 1.0 if q_bf16 else 0.0)
+    return args, keys_attention(q, [slots], k_cache, v_cache, k_scale=d ** -0.5)
 
 
 def test_the_kernel_accepts_exactly_the_paths_path_fits_names(level_kernel):
-    """Every path, cache dtype, bf16 or float32 query, row count and head size: the kernel runs a path where
-    ``path_fits`` says it fits (return 0) and refuses it otherwise (4), so the Python choice and the kernel agree."""
+    """Every path, cache dtype, bf16 or float32 query, row count and head size, asked of the merged op by name for a
+    call of one block: the kernel runs a path where ``path_fits`` says it fits (and gives the float64 softmax) and
+    refuses it otherwise (a ValueError naming the path), so the Python choice and the kernel agree."""
     _, lib = level_kernel
     bits = lib.ca_isa()
-    for dtype, kind in KINDS.items():
+    for dtype in KINDS:
         for q_bf16 in (False, True):
             for g in (1, 2, 4, 8, 12, 16, 20, 32, 48):
                 for d, dv in ((64, 64), (128, 128), (256, 256), (80, 80), (96, 96), (576, 512)):
-                    for number, path in enumerate(PATHS):
-                        want = 0 if path_fits(path, dtype, q_bf16, g, d, dv, bits) else 4
-                        got = _kernel_rc(lib, kind, g, d, dv, 0.5 if q_bf16 else 0.0, number)
-                        assert got == want, (path, dtype, q_bf16, g, d, dv, got)
+                    args, want = _one_block_call(dtype, q_bf16, g, d, dv)
+                    tol = 3e-2 if q_bf16 else 1e-4  # bf16: the output's rounding, the tile path's weights'
+                    for path in PATHS:
+                        if not path_fits(path, dtype, q_bf16, g, d, dv, bits):
+                            with pytest.raises(ValueError, match=f"path '{path}' does not serve this call"):
+                                native_decode_blocks(*args, path=path)
+                            continue
+                        got = native_decode_blocks(*args, path=path).double()
+                        assert (got - want).abs().max() < tol, (path, dtype, q_bf16, g, d, dv)
 
 
 #: a decode case for each path (hq, hkv, d, q dtype, cache dtype) and a verify case (k draft tokens)

@@ -1,8 +1,8 @@
-"""The C++ decode kernel (``native_decode``): each block's partial softmax against a float64 computation written
-out here, over random paged tables, every cache dtype, head sizes with and without a compiled-in size, group
-sizes that are and are not multiples of 4, a soft-cap, and NaN in every slot it must not read; the builds for
-other instruction sets (the portable half-precision path); the off switch and a failed build falling back to the
-portable matmul form."""
+"""The C++ decode kernel (``kernels.cpu.kernel``'s merged op): each block alone (a row that owns it and no other)
+and whole rows against a float64 computation, over random paged tables, every cache dtype, head sizes with and
+without a compiled-in size, group sizes that are and are not multiples of 4, a soft-cap, and NaN in every slot it
+must not read; the builds for other instruction sets (the portable half-precision path); the off switch and a failed
+build falling back to the portable matmul form."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +15,9 @@ from compiled_attn.bench.batches import make_batch
 from compiled_attn.decode import build_decode_index, decode_blocks
 from compiled_attn.forms import choose_form
 from compiled_attn.kernels.cpu import kernel as cpu_kernel
-from compiled_attn.kernels.cpu.kernel import native_available, native_block_partials, native_decode_blocks, native_fits
+from compiled_attn.kernels.cpu.kernel import native_available, native_decode_blocks, native_fits
 from compiled_attn.plan import plan_decode
-from tests.reference import reference_attention, scaled_queries
+from tests.reference import keys_attention, reference_attention
 from tests.test_kv_formats import poison_unread
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler on this machine")
@@ -31,29 +31,16 @@ def _batch(lens, *, hq, hkv, d, page_size, block_size, kv_dtype=torch.float32, s
     return b, build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
 
 
-def _blocks_float64(qs, index, k_cache, v_cache, k_scale, v_scale, cap):
-    """Each block's (max, sum of exp, unnormalised V sum) per query row, in float64, one block at a time."""
-    ms, ls, os_ = [], [], []
-    for b in range(int((index.block_req < qs.shape[0]).sum())):
-        q = qs[index.block_req[b]].double()  # [Hkv, G, D]
-        keep = index.valid[b]
-        slots = index.slots[b][keep]
-        k = k_cache[slots].double() * k_scale  # [n, Hkv, D]
-        v = v_cache[slots].double() * v_scale
-        s = torch.einsum("hgd,nhd->hgn", q, k)
-        if cap:
-            s = cap * torch.tanh(s / cap)
-        if slots.numel() == 0:
-            ms.append(torch.full(q.shape[:2], torch.finfo(torch.float32).min, dtype=torch.float64))
-            ls.append(torch.zeros(q.shape[:2], dtype=torch.float64))
-            os_.append(torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float64))
-            continue
-        m = s.amax(-1)
-        p = torch.exp(s - m[..., None])
-        ms.append(m)
-        ls.append(p.sum(-1))
-        os_.append(torch.einsum("hgn,nhd->hgd", p, v))
-    return torch.stack(ms), torch.stack(ls), torch.stack(os_)
+def _block_keys(index, n):
+    """The valid slots of each of the first n blocks."""
+    return [index.slots[j][index.valid[j]] for j in range(n)]
+
+
+def _each_block_alone(q, index, n, k_cache, v_cache, k_scale, v_scale, cap, q_bf16_scale=0.0, path=""):
+    """The merged op with each of the first n blocks as a row of its own (row j: block j, its request's query): row
+    j's output is then block j's softmax alone, [n, Hq, Dv]."""
+    return native_decode_blocks(q[index.block_req[:n]], torch.arange(n), index.runs[:n], index.valid[:n], index.unit,
+                                k_cache, v_cache, k_scale, v_scale, cap, n, None, q_bf16_scale, path=path)
 
 
 @pytest.mark.parametrize("kv_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5),
@@ -62,45 +49,54 @@ def _blocks_float64(qs, index, k_cache, v_cache, k_scale, v_scale, cap):
                                         (32, 2, 128), (64, 2, 64), (48, 1, 80)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
 @pytest.mark.parametrize("bf16_query", [False, True], ids=["f32q", "bf16q"])
-def test_block_partials_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, bf16_query):
-    """Per block and query row, the kernel's max, sum and weighted V equal a float64 computation over the same
-    stored values (dequantised exactly: the tolerance is float32 arithmetic's, for every dtype), with scales and
-    a soft-cap; NaN in unread slots never reaches them. A bf16 query with its scale (below 8 query rows per KV
-    head: the vector path, its scores by exact bf16 pair products where the CPU has AVX512-BF16) too. 16, 32 and
+def test_blocks_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, bf16_query):
+    """Each block alone (a row that owns it and no other) and each request's blocks merged equal a float64 softmax
+    over the same stored values (dequantised exactly: the tolerance is float32 arithmetic's, for every dtype), with
+    scales and a soft-cap; NaN in unread slots never reaches them. A bf16 query with its scale (below 8 query rows per
+    KV head: the vector path, its scores by exact bf16 pair products where the CPU has AVX512-BF16) too. 16, 32 and
     48 rows per KV head with a float32 query take the wide path (``csrc/wide_blocks.h``: one and two groups of 16
     rows per step, a head size of 80 leaving a partial block of V columns)."""
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
     assert index.unit == math.gcd(page_size, block_size)
-    q, q_scale = (b.q.bfloat16(), d ** -0.5) if bf16_query else (b.q, 0.0)
     if bf16_query and hq // hkv >= 8:
         pytest.skip("8+ rows per KV head: the tile path where there is one (test_tile_path_matches_float64)")
-    qs = scaled_queries(q, hkv, d ** -0.5)
+    # a bf16 query scaled in float32, q_bf16_scale saying by what: the kernel takes it back to bf16 exactly
+    q, q_scale = (b.q.bfloat16().float() * d ** -0.5, d ** -0.5) if bf16_query else (b.q * d ** -0.5, 0.0)
     n = int((index.block_req < len(lens)).sum())
+    keys = _block_keys(index, n)
+    rows = [b.req_to_token[b.rows[r], :length].long() for r, length in enumerate(lens)]
     for k_scale, v_scale, cap in ((1.0, 1.0, 0.0), (0.5, 2.0, 0.0), (1.0, 1.0, 2.5)):
-        m, lsum, o = native_block_partials(qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit,
-                                           b.k_cache, b.v_cache, k_scale, v_scale, cap, q_scale)
-        rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
-        torch.testing.assert_close(m.double(), rm, atol=tol, rtol=tol)
-        torch.testing.assert_close(lsum.double(), rl, atol=tol * 64, rtol=tol)
-        torch.testing.assert_close(o.double(), ro, atol=tol * 64 * v_scale, rtol=tol)
+        scales = dict(k_scale=k_scale, v_scale=v_scale, logit_cap=cap)
+        out = _each_block_alone(q, index, n, b.k_cache, b.v_cache, k_scale, v_scale, cap, q_scale)
+        want = keys_attention(q[index.block_req[:n]], keys, b.k_cache, b.v_cache, **scales)
+        torch.testing.assert_close(out.double(), want, atol=tol * 4 * v_scale, rtol=tol)
+        out = native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache,
+                                   k_scale, v_scale, cap, len(lens), None, q_scale)
+        want = keys_attention(q, rows, b.k_cache, b.v_cache, **scales)
+        torch.testing.assert_close(out.double(), want, atol=tol * 4 * v_scale, rtol=tol)
 
 
 def test_empty_block_and_no_blocks():
-    """A block with no valid key gives the lowest float32, 0 and zeros (the matmul form's convention); zero blocks
-    give empty outputs."""
+    """A block with no valid key gives nothing: alone in its row the row is zeros (finite: nothing read), beside a
+    row's other blocks the row is their softmax alone; a call with no blocks gives zeros."""
     b, index = _batch([40, 3], hq=4, hkv=2, d=64, page_size=1, block_size=16)
-    qs = scaled_queries(b.q, 2, 0.125)
+    q = b.q * 0.125
     valid = index.valid.clone()
     valid[0] = False
-    m, lsum, o = native_block_partials(qs, index.block_req[:4], index.runs[:4], valid[:4], 1, b.k_cache, b.v_cache,
-                                       1.0, 1.0, 0.0)
-    assert (m[0] == torch.finfo(torch.float32).min).all() and (lsum[0] == 0).all() and (o[0] == 0).all()
-    assert torch.isfinite(o).all()
-    m, lsum, o = native_block_partials(qs, index.block_req[:0], index.runs[:0], valid[:0], 1, b.k_cache, b.v_cache,
-                                       1.0, 1.0, 0.0)
-    assert m.shape == (0, 2, 2) and o.shape == (0, 2, 2, 64)
+    index = dataclasses.replace(index, valid=valid)
+    assert int(index.block_req[1]) == 0 and valid[1].any()  # request 0 keeps blocks after the empty one
+    out = _each_block_alone(q, index, 4, b.k_cache, b.v_cache, 1.0, 1.0, 0.0)
+    assert (out[0] == 0).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), keys_attention(q[index.block_req[:4]], _block_keys(index, 4), b.k_cache,
+                                                            b.v_cache), atol=1e-5, rtol=1e-5)
+    out = native_decode_blocks(q, index.block_req, index.runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2)
+    rows = [b.req_to_token[b.rows[0], 16:40].long(), b.req_to_token[b.rows[1], :3].long()]  # block 0: slots 0-15
+    torch.testing.assert_close(out.double(), keys_attention(q, rows, b.k_cache, b.v_cache), atol=1e-5, rtol=1e-5)
+    none = native_decode_blocks(q, index.block_req[:0], index.runs[:0], valid[:0], 1, b.k_cache, b.v_cache, 1.0, 1.0,
+                                0.0, 2)
+    assert none.shape == (2, 4, 64) and (none == 0).all()
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell"])
@@ -111,37 +107,28 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
 
     if platform.machine() != "x86_64":
         pytest.skip("x86 instruction sets")
-    from compiled_attn.kernels.cpu.kernel import native_decode_blocks
-
     if march == "haswell" and "avx2" in cpu_kernel.cpu_isa_levels():  # the avx2 level's build, cached
         lib = cpu_kernel.library_for("avx2")
     else:
         lib = cpu_kernel.load(cpu_kernel.build(out_dir=tmp_path, march=march))
+    def both_builds(*args, **kwargs):  # the native build's output, then lib's
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_kernel, "library", lambda: lib)  # the op calls whatever library() returns
+            got = _each_block_alone(*args, **kwargs)
+        return _each_block_alone(*args, **kwargs), got
+
     for kv_dtype in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=kv_dtype)
         # a bf16 query with its scale: the native build's bf16 pair products (AVX512-BF16), exact as these builds'
         # float32 ones
-        for q, q_scale in ((b.q, 0.0), (b.q.bfloat16(), 0.1)):
-            qs = scaled_queries(q, 2, 0.1)
-            args = (qs, index.block_req[:4], index.runs[:4], index.valid[:4], index.unit, b.k_cache, b.v_cache, 0.5,
-                    1.0, 0.0, q_scale)
-            want = native_block_partials(*args)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(cpu_kernel, "library", lambda: lib)  # the op calls whatever library() returns
-                got = native_block_partials(*args)
+        for q, q_scale in ((b.q * 0.1, 0.0), (b.q.bfloat16().float() * 0.1, 0.1)):
+            want, got = both_builds(q, index, 4, b.k_cache, b.v_cache, 0.5, 1.0, 0.0, q_scale)
             tol = 1e-5 if q_scale else 1e-6  # pairs summed in another order
-            for w, g in zip(want, got, strict=True):
-                torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         # 16 query rows per KV head, a float32 query: the wide path, in vector extensions without AVX-512 too
         b, index = _batch([33, 70], hq=32, hkv=2, d=64, page_size=16, block_size=32, kv_dtype=kv_dtype)
-        args = (scaled_queries(b.q, 2, 0.1), index.block_req[:4], index.runs[:4], index.valid[:4], index.unit,
-                b.k_cache, b.v_cache, 0.5, 1.0, 0.0)
-        want = native_block_partials(*args)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cpu_kernel, "library", lambda: lib)
-            got = native_block_partials(*args)
-        for w, g in zip(want, got, strict=True):  # a build without FMA rounds each product
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        want, got = both_builds(b.q * 0.1, index, 4, b.k_cache, b.v_cache, 0.5, 1.0, 0.0, path="wide")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # a build without FMA rounds each product
     # the merged op on a token-major query (2 tokens per row, 2 heads each per KV head) in each query dtype: the same
     # float32 arithmetic, the output in q's dtype, bf16 rounded as torch rounds (without AVX512-BF16: by moving bits)
     b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=torch.bfloat16)
@@ -219,33 +206,27 @@ def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
 @pytest.mark.parametrize("hq, bf16", [(4, False), (16, True)], ids=["vector", "tiles"])
 def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     """A table whose valid position names a slot past the cache (a corrupted req_to_token) is a ValueError naming
-    the cache's size, from every op, and nothing outside the cache is read (the check is in the kernel): on the
-    vector path and (a bf16 query, 8 rows per KV head) the tile path where there is one."""
-    from compiled_attn.kernels.cpu.kernel import native_decode_blocks
-
+    the cache's size, and nothing outside the cache is read (the check is in the kernel): on the vector path and (a
+    bf16 query, 8 rows per KV head) the tile path where there is one."""
     b, index = _batch([40, 70], hq=hq, hkv=2, d=64, page_size=page_size, block_size=16, kv_dtype=torch.bfloat16)
     q_scale = 0.125 if bf16 else 0.0
-    qs = scaled_queries(b.q.bfloat16() if bf16 else b.q, 2, 0.125)
-    n = int((index.block_req < 2).sum())
+    q = (b.q.bfloat16().float() if bf16 else b.q) * 0.125
     runs = index.runs.clone()
     runs[1, 0] = b.k_cache.shape[0] // index.unit + 1000  # its first position is valid
     assert index.valid[1, 0]
-    with pytest.raises(ValueError, match=f"num_slots {b.k_cache.shape[0]}"):
-        native_block_partials(qs, index.block_req[:n], runs[:n], index.valid[:n], index.unit, b.k_cache,
-                              b.v_cache, 1.0, 1.0, 0.0, q_scale)
-    with pytest.raises(ValueError, match="outside the cache"):
-        native_decode_blocks(qs.flatten(1, 2), index.block_req, runs, index.valid, index.unit, b.k_cache,
-                             b.v_cache, 1.0, 1.0, 0.0, 2, None, q_scale)
+    with pytest.raises(ValueError, match=rf"outside the cache at a valid position \(num_slots {b.k_cache.shape[0]}\)"):
+        native_decode_blocks(q, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
+                             2, None, q_scale)
     # a draft key some token sees (verify's draft block, merged in the same op); one no token sees is never read
     slots = torch.tensor([[3, b.k_cache.shape[0] + 7], [5, 6]])
     shows = torch.tensor([[[True, False]], [[True, True]]])
     draft = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2, None,
              q_scale, slots)
-    native_decode_blocks(qs.flatten(1, 2), *draft, shows)
+    native_decode_blocks(q, *draft, shows)
     with pytest.raises(ValueError, match="outside the cache"):
-        native_decode_blocks(qs.flatten(1, 2), *draft, torch.ones_like(shows))
+        native_decode_blocks(q, *draft, torch.ones_like(shows))
     # queries that are not num_rows * tokens rows of a KV-head multiple, or of a dtype the kernel does not read
-    for bad in (qs.flatten(1, 2)[:1], qs.flatten(1, 2)[:, :3], qs.flatten(1, 2).double()):
+    for bad in (q[:1], q[:, :3], q.double()):
         with pytest.raises(ValueError, match="q must be"):
             native_decode_blocks(bad, *draft, shows)
 
@@ -261,10 +242,10 @@ tiles_only = pytest.mark.skipif(not (native_available() and cpu_kernel.native_ti
                                         (8, 1, 32), (48, 1, 64)])
 @pytest.mark.parametrize("page_size, block_size", [(1, 16), (16, 48), (64, 64), (16, 24)])
 def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
-    """The tile path (a bf16 query, 8 / 16 / 32 / 48 query rows per KV head): the scores' products are exact (the query
-    taken back to bf16 from the scaled float32 one), so m and the sum match float64 at float32 tolerance; the V sum
-    rounds each softmax weight to bf16, so o is within 2^-9 of the weights' mass times the largest |V|, and not
-    equal to the vector path's (float32 weights): the tiles did run. Scales, a soft-cap, NaN in unread slots,
+    """The tile path (a bf16 query, 8 / 16 / 32 / 48 query rows per KV head), each block alone: the scores' products
+    are exact (the query taken back to bf16 from the scaled float32 one) and the softmax's sums float32, but the V
+    sum rounds each softmax weight to bf16, so a block's output is within 2^-9 of the largest |V| of float64's, and
+    not equal to the vector path's (float32 weights). Scales, a soft-cap, NaN in unread slots,
     chunks staged (page size 1, a block's end) and read in place (16 consecutive slots), and head sizes whose V
     sums leave a group of four accumulator tiles partly used (96: 4 + 2 tiles, 32: 2); 32 and 48 rows per KV head
     take their V sums two row groups at a time (48: a pair, then one group alone)."""
@@ -279,7 +260,7 @@ def test_tile_path_matches_float64(kv_dtype, hq, hkv, d, page_size, block_size):
 def test_tile_path_skips_invalid_positions_anywhere_in_a_block(page_size, hq):
     """Valid positions need not open a block (a window's first block starts late) nor be contiguous: the tile
     path skips 32-position chunks with no valid position before, between and after valid ones, drops the rest
-    position by position, and a block with none gives the lowest float32, 0 and zeros; as above against float64."""
+    position by position, and a block with none gives zeros; as above against float64."""
     b, index = _batch([300, 97, 130], hq=hq, hkv=2, d=64, page_size=page_size, block_size=128,
                       kv_dtype=torch.bfloat16, seed=3)
     holes = torch.rand(index.valid.shape, generator=torch.Generator().manual_seed(0)) < 0.3
@@ -290,40 +271,36 @@ def test_tile_path_skips_invalid_positions_anywhere_in_a_block(page_size, hq):
 
 
 def _check_tile_path(b, index, hkv, scale, scales_and_caps):
-    """The tile path's partials (a bf16 query) against float64, and different from the vector path's."""
-    b.q = b.q.bfloat16()
-    qs = scaled_queries(b.q, hkv, scale)
-    n = int((index.block_req < b.q.shape[0]).sum())
-    args = (qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache, b.v_cache)
+    """The tile path (named: the op refuses a path that does not serve the call) on a bf16 query, each block alone,
+    against float64, and different from the vector path's."""
+    q = b.q.bfloat16().float() * scale  # q_bf16_scale = scale: the kernel takes it back to bf16 exactly
+    n = int((index.block_req < q.shape[0]).sum())
+    keys = _block_keys(index, n)
     for k_scale, v_scale, cap in scales_and_caps:
-        m, lsum, o = native_block_partials(*args, k_scale, v_scale, cap, scale)
-        rm, rl, ro = _blocks_float64(qs, index, b.k_cache, b.v_cache, k_scale, v_scale, cap)
-        torch.testing.assert_close(m.double(), rm, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lsum.double(), rl, atol=1e-4, rtol=1e-5)
+        args = (q, index, n, b.k_cache, b.v_cache, k_scale, v_scale, cap)
+        out = _each_block_alone(*args, scale, path="tile").double()
+        want = keys_attention(q[index.block_req[:n]], keys, b.k_cache, b.v_cache, k_scale=k_scale, v_scale=v_scale,
+                              logit_cap=cap)
         vmax = (b.v_cache.double() * v_scale).nan_to_num(0).abs().max()
-        bound = 2.0 ** -9 * rl[..., None] * vmax + 1e-5
-        assert ((o.double() - ro).abs() <= bound).all()
-        vector = native_block_partials(*args, k_scale, v_scale, cap)[2]  # no q_bf16_scale: the vector path
-        assert (vector - o).abs().max() > 1e-5
+        assert ((out - want).abs() <= 2.0 ** -9 * vmax + 1e-5 * (1 + vmax)).all()
+        vector = _each_block_alone(*args, path="vector")  # float32 products and weights
+        assert (vector.double() - out).abs().max() > 1e-5
 
 
 def test_a_block_table_that_does_not_fit_is_refused():
-    """Shapes that disagree (block_req, runs, valid, unit), a block whose row is negative (merged form) or not a row
-    of q (partials form), and sinks of the wrong size: each a ValueError naming it; nothing is read."""
+    """Shapes that disagree (block_req, runs, valid, unit), a block whose row is negative, and sinks of the wrong
+    size: each a ValueError naming it; nothing is read. Rows past the batch are a bucket's unused blocks: skipped."""
     b, index = _batch([33, 70], hq=8, hkv=2, d=64, page_size=16, block_size=32)
-    qs = scaled_queries(b.q, 2, 0.1)
-    n = int((index.block_req < 2).sum())
-    args = [qs, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0]
-    native_block_partials(*args)
-    for at, bad, words in ((1, index.block_req[:n].int(), "block_req must be int64"),
-                           (2, index.runs[:n - 1], "runs must be int64"),
-                           (3, index.valid[:n, :8], "unit must be an int >= 1 dividing the block size 8"),
-                           (1, index.block_req[:n] + 5, r"block_req holds a row outside \[0, 2\)"),
-                           (1, index.block_req[:n] - 9, r"block_req holds a row outside \[0, 2\)")):
+    args = [b.q, index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2]
+    want = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
+                               b.ext_lens, scale=0.1)
+    torch.testing.assert_close(native_decode_blocks(*args).double(), want, atol=1e-5, rtol=1e-5)
+    for at, bad, words in ((1, index.block_req.int(), "block_req must be int64"),
+                           (2, index.runs[:-1], "runs must be int64"),
+                           (3, index.valid[:, :8], "unit must be an int >= 1 dividing the block size 8"),
+                           (1, index.block_req - 9, r"block_req holds a row outside \[0, 2\).*unused block")):
         with pytest.raises(ValueError, match=words):
-            native_block_partials(*args[:at], bad, *args[at + 1:])
-    merged = (index.block_req - 9, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2)
-    with pytest.raises(ValueError, match="outside .0, 2.*unused block"):
-        native_decode_blocks(b.q, *merged)
+            native_decode_blocks(*args[:at], bad, *args[at + 1:])
+    assert (native_decode_blocks(*args[:1], index.block_req + 5, *args[2:]) == 0).all()
     with pytest.raises(ValueError, match="sinks must hold Hkv x G = 8 logits"):
-        native_decode_blocks(b.q, index.block_req, *merged[1:], torch.zeros(3))
+        native_decode_blocks(*args, torch.zeros(3))

@@ -1,17 +1,13 @@
-"""Building and loading the C++ decode kernel (``kernel`` runs it): two translation units, linked into one
-shared library per instruction-set level and cached.
+"""Building and loading the C++ decode kernel (``kernel`` runs it): one shared library per instruction-set level.
 
-- ``csrc/block_partials.cpp`` (with the headers beside it): the kernel, ``-O3 -march=<level> -fopenmp``, compiled
-  for each level a process asks for.
-- ``csrc/torch_op.cpp``: the torch ops that check a call's tensors and call the kernel (``TORCH_LIBRARY`` style,
-  registered at load under a namespace of the build's own, so builds for several levels live in one process). Its
-  torch headers cost about a third of the kernel's compile time again, so it is compiled once (no ``-march``) into
-  a cached object that every level's build links, beside the first kernel compile: a level's build is the
-  kernel's compile and a link of under a second.
+- ``csrc/block_partials.cpp`` (with the headers beside it): the kernel, ``-O3 -march=<level> -fopenmp``.
+- ``csrc/torch_op.cpp``: the torch op that checks a call's tensors and calls the kernel, registered at load under a
+  namespace of the build's own (builds for several levels live in one process). Its torch headers are slow to
+  compile, so it is compiled once (no ``-march``) into a cached object that every level's build links.
 
 Both go into a cache folder (``COMPILED_ATTN_CACHE_DIR``, default ``~/.cache/compiled_attn``) under names keyed by
-the sources, the compiler, the flags, torch's version and the CPU's feature flags, so a second process loads them at
-once; a file is written under a name of its own and renamed into place, so a process never loads half of one.
+the sources, the compiler, the flags, torch's version and the CPU's feature flags; a file is written under a name of
+its own and renamed into place, so a process never loads half of one.
 """
 from __future__ import annotations
 
@@ -31,10 +27,6 @@ SOURCE = Path(__file__).parent / "csrc" / "block_partials.cpp"
 #: the ops' translation unit (``csrc/torch_op.cpp``), built once and linked into every level's build
 OP_SOURCE = SOURCE.parent / "torch_op.cpp"
 CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-#: ``ca_block_partials``' arguments (the kernel's call with its fields positional, for a ctypes caller)
-_ARGTYPES = [ctypes.c_int, *[_PTR] * 6, *[_I64] * 11, _F32, _F32, _F32, _PTR, _PTR, _PTR, ctypes.c_int, _I64, _PTR,
-             _PTR, _I64, _F32, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, ctypes.c_int, ctypes.c_int, _I64]
 #: the namespaces whose ops a loaded library registered (an identical build loaded from another folder reuses them)
 _REGISTERED: dict[str, types.SimpleNamespace] = {}
 
@@ -154,9 +146,8 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None
 
 
 class KernelLibrary(ctypes.CDLL):
-    """A built kernel: its C entry points through ctypes (``ca_isa``; ``ca_block_partials``, the kernel's call with
-    positional arguments) and ``ops``, its torch ops (``decode_blocks``, ``block_partials``:
-    ``csrc/torch_op.cpp``)."""
+    """A built kernel: ``ca_isa`` through ctypes (what the build runs) and ``ops``, its torch op
+    (``decode_blocks``: ``csrc/torch_op.cpp``)."""
 
     ops: types.SimpleNamespace
 
@@ -165,8 +156,6 @@ def load(path: Path) -> KernelLibrary:
     """The built library (after ``import torch``: its OpenMP and torch's libraries are the ones loaded) with its
     ops registered under the namespace its file's name gives."""
     lib = KernelLibrary(str(path))
-    lib.ca_block_partials.restype = ctypes.c_int
-    lib.ca_block_partials.argtypes = _ARGTYPES
     lib.ca_isa.restype = ctypes.c_int
     lib.ca_isa.argtypes = []
     namespace = "compiled_attn_" + re.sub(r"\W", "_", Path(path).stem)
@@ -177,7 +166,6 @@ def load(path: Path) -> KernelLibrary:
             raise RuntimeError(f"{Path(path).name}: its ops cannot be registered as {namespace}: "
                                f"{lib.ca_register_error().decode()}")
         ops = getattr(torch.ops, namespace)
-        _REGISTERED[namespace] = types.SimpleNamespace(decode_blocks=ops.decode_blocks.default,
-                                                       block_partials=ops.block_partials.default)
+        _REGISTERED[namespace] = types.SimpleNamespace(decode_blocks=ops.decode_blocks.default)
     lib.ops = _REGISTERED[namespace]
     return lib

@@ -205,7 +205,7 @@ def _path_number(path: str, k_cache: torch.Tensor, q_bf16_scale: float, g: int, 
 
 
 def _ops(lib: KernelLibrary | None):
-    """The torch ops of ``library()``'s build (``build.KernelLibrary.ops``), or RuntimeError where there is
+    """The torch op of ``library()``'s build (``build.KernelLibrary.ops``), or RuntimeError where there is
     none."""
     if lib is None:
         raise RuntimeError("the C++ decode kernel is not built here (COMPILED_ATTN_NATIVE=0, or the build failed): "
@@ -219,72 +219,35 @@ def _rows_per_kv_head(q: torch.Tensor, k_cache: torch.Tensor, tokens: int = 1) -
     return tokens * (q.shape[1] // k_cache.shape[1]) if ok else 0
 
 
-# a torch op rather than one ctypes struct: 14 us a call outside the kernel at bs 1 or 32, ctypes + Python checks 35
-@opaque_op
-def native_block_partials(qs: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
-                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
-                          logit_cap: float, q_bf16_scale: float = 0.0, path: str = ""
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each block's partial softmax (``decode.merge_blocks``' inputs), by the C++ kernel.
-
-    qs: [rows, Hkv, G, D] float32 (a score is qs . K times k_scale: scaled queries, or unscaled ones with the
-    softmax scale in k_scale); block_req: [n] int64, the row of each block (every entry < rows);
-    runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D],
-    v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
-    scales (1.0 for none); logit_cap: soft-cap, 0.0 for none; q_bf16_scale: ``bf16_query_scale``'s (0.0: the
-    products in float32 on the vector path); path: one of ``PATHS``, "" for ``kernel_path``'s (a path that does not
-    serve the call is a ValueError).
-    returns m, lsum: [n, Hkv, G] float32 and o: [n, Hkv, G, Dv] float32.
-    Invalid positions are never read; a valid position whose slot lies outside the cache, a block row outside q's
-    rows or tensors that do not fit each other are a ValueError naming the argument (the kernel reads nothing
-    there).
-    """
-    ops = _ops(library())
-    g = qs.shape[2] if qs.dim() == 4 else 0
-    number = _path_number(path, k_cache, q_bf16_scale, g, qs.shape[-1], v_cache.shape[-1])
-    return ops.block_partials(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                              q_bf16_scale, number)
-
-
-def _partials_like(like: torch.Tensor, n: int, hkv: int, g: int, dv: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised float32 m, lsum [n, Hkv, G] and o [n, Hkv, G, Dv] on ``like``'s device."""
-    m, lsum = (like.new_empty((n, hkv, g), dtype=torch.float32) for _ in range(2))
-    return m, lsum, like.new_empty((n, hkv, g, dv), dtype=torch.float32)
-
-
-@torch.library.register_fake(native_block_partials)
-def _native_block_partials_fake(qs, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
-                                q_bf16_scale=0.0, path=""):
-    return _partials_like(qs, block_req.shape[0], *qs.shape[1:3], v_cache.shape[2])
-
-
+# a torch op rather than one ctypes struct: its schema checks the types, and the call costs less than ctypes'
 @opaque_op
 def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
                          unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
                          logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
                          q_bf16_scale: float = 0.0, draft_slots: torch.Tensor | None = None,
                          draft_mask: torch.Tensor | None = None, tokens: int = 1, path: str = "") -> torch.Tensor:
-    """The whole decode by the C++ kernel: ``native_block_partials`` over the blocks whose ``block_req`` is below
-    ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of them,
-    in one call. q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` query
+    """The whole decode by the C++ kernel: each block's partial softmax over the blocks whose ``block_req`` is
+    below ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of
+    them, in one call. q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` query
     tokens at ``r * tokens ..``; decode: tokens = 1), as the model holds it: the kernel groups a row's tokens by KV
     head itself, its rows ``t * group + g`` of KV head h being token t's head ``h * group + g`` (a score is q . K
-    times k_scale: the softmax scale rides on k_scale); other arguments as ``native_block_partials``; sinks:
-    [Hkv, G] float32 logits or None (G = tokens x group).
+    times k_scale: the softmax scale rides on k_scale). block_req: [n] int64, the row of each block; runs: [n, B //
+    unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D], v_cache: [num_slots, Hkv,
+    Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation scales (1.0 for none); logit_cap:
+    soft-cap, 0.0 for none; sinks: [Hkv, G] float32 logits or None (G = tokens x group); q_bf16_scale:
+    ``bf16_query_scale``'s (0.0: float32 products); path: one of ``PATHS``, "" for ``kernel_path``'s (a path that
+    does not serve the call is a ValueError).
     Verify's draft block joins each row's merge: draft_slots [>= num_rows, nd] int64, the KV slots of a row's nd
     keys beyond its blocks (its draft tokens', after a window's edge keys), draft_mask [>= num_rows, tokens, nd]
-    bool, which of them each of its query tokens sees (query row i of a KV head is token i // group); path: as
-    ``native_block_partials``'.
+    bool, which of them each of its query tokens sees (query row i of a KV head is token i // group).
     -> [num_rows * tokens, Hq, Dv] in q.dtype, token-major as q (zeros for a row with no key).
-    Checked as ``native_block_partials``' (a negative block row too, and a draft key a token sees whose slot lies
-    outside the cache): a ValueError naming the argument.
+    Invalid positions are never read; a valid position (or a draft key a token sees) whose slot lies outside the
+    cache, a negative block row or tensors that do not fit each other are a ValueError naming the argument (the
+    kernel reads nothing there).
 
-    Why one op: the merge as ATen ops was a third of this backend's attention time in a live bs-8 step (its block
-    outputs written, then read by a scatter-max, an exp, two index_adds and a division); here each row's blocks are
-    merged straight from the kernel's scratch, and a step makes one op call instead of four. The same for verify's
-    draft block (as ATen ops: gathers of the draft keys, two batched matmuls and the join), and for the queries'
-    and the output's layouts (a grouping copy before the kernel and a transposing cast after it)."""
+    Why one op: each row's blocks are merged straight from the kernel's scratch, where a merge in ATen ops writes
+    the block outputs and reads them back through five ops; the same holds for verify's draft block and for the
+    queries' and output's layouts."""
     ops = _ops(library())
     g = _rows_per_kv_head(q, k_cache, tokens)
     number = _path_number(path, k_cache, q_bf16_scale, g, q.shape[-1], v_cache.shape[-1])

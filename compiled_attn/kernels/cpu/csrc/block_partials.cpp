@@ -1,17 +1,17 @@
-// Decode attention's per-block partial softmax over a paged KV cache, read in place: the CPU kernel behind
-// compiled_attn/native_decode.py, which builds this file with the machine's compiler on first use, linked with the
-// torch op that checks a call's tensors and calls ca_run (torch_op.cpp; native_decode says why a hand-written
-// kernel).
+// Decode attention's per-block partial softmax over a paged KV cache, read in place, and each row's merge: the CPU
+// kernel behind compiled_attn/kernels/cpu/kernel.py, which builds this file with the machine's compiler on first
+// use, linked with the torch op that checks a call's tensors and calls ca_run (torch_op.cpp; kernel.py says why a
+// hand-written kernel).
 //
 // One block is B key positions of one request. On the vector path (vector_blocks.h) all its query rows (Hkv heads x
 // G rows) are scored against each key row as the row is read (a slot's heads lie together in the cache, so a page
 // of consecutive slots is read front to back), then softmaxed, then V is summed with the weights; K/V are converted
 // to float32 in registers (bf16, fp16, float8 e4m3fn / e5m2), so the cache is read once at its stored width. With
 // a bf16 query and enough query rows the tile path (tile_blocks.h) computes the same block with AMX products.
-// Invalid positions (past a request's end, a page's unwritten tail) are never read. The outputs are those of
-// decode.matmul_partials: per block and query row the max score m, the sum of exp(score - m) and the
-// unnormalised weighted V sum; a block with no valid key gives the lowest float32, 0 and zeros. The merged form
-// folds runs of a row's blocks together as it computes them and then merges each row's partials into its output.
+// Invalid positions (past a request's end, a page's unwritten tail) are never read. A block's partials are those
+// of decode.matmul_partials: per query row the max score m, the sum of exp(score - m) and the unnormalised weighted
+// V sum; a block with no valid key gives the lowest float32, 0 and zeros. The merged form folds runs of a row's
+// blocks together as it computes them and then merges each row's partials into its output.
 //
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
@@ -347,23 +347,6 @@ extern "C" int ca_run(const KernelCall* call) {
     case 4: return run_head_size<E5M2>(pr);
     default: return kBadKind;
   }
-}
-
-// ca_run with its fields as positional arguments, for a ctypes caller (the tests ask a build which paths it runs
-// through it, with no blocks); the op calls ca_run.
-extern "C" int ca_block_partials(int kind, const void* q, const int64_t* block_req, const int64_t* runs,
-                                 const uint8_t* valid, const void* k, const void* v, int64_t k_row, int64_t k_head,
-                                 int64_t v_row, int64_t v_head, int64_t n, int64_t hkv, int64_t G, int64_t D,
-                                 int64_t Dv, int64_t B, int64_t unit, float k_scale, float v_scale, float cap,
-                                 float* m, float* l, float* o, int threads, int64_t rows, const float* sinks,
-                                 void* out, int64_t num_slots, float q_bf16_scale,
-                                 const int64_t* draft_slots, const uint8_t* draft_mask, int64_t nd,
-                                 int64_t tokens, int q_kind, int64_t q_tokens, int out_bf16, int path,
-                                 int64_t q_rows) {
-  const KernelCall c{kind, q_kind, q, q_rows, q_tokens, block_req, runs, valid, k, v, k_row, k_head, v_row, v_head,
-                     num_slots, n, hkv, G, D, Dv, B, unit, k_scale, v_scale, cap, q_bf16_scale, m, l, o, threads,
-                     rows, sinks, out, out_bf16, draft_slots, draft_mask, nd, tokens, path};
-  return ca_run(&c);
 }
 
 // What this build runs, as bits: 1 AVX2 (with FMA and F16C), 2 AVX-512 (F, BW, VL), 4 AVX512-BF16 (the vector

@@ -1,13 +1,13 @@
-// The decode kernel as torch ops: <namespace>::decode_blocks (the merged form) and <namespace>::block_partials (each
-// block's partials), registered by ca_register_ops under a namespace of the build's own (compiled_attn/
-// native_build.py), so that builds for several instruction-set levels live in one process. Each op checks every
-// tensor's dtype, device and shape against the others before the kernel reads them, and the kernel checks the
-// indices the tables hold as it reads them (ca_run); a violation is a ValueError naming the argument and its limit.
+// The decode kernel as a torch op: <namespace>::decode_blocks (each row's blocks and their merge in one call),
+// registered by ca_register_ops under a namespace of the build's own (compiled_attn/kernels/cpu/build.py), so that
+// builds for several instruction-set levels live in one process. The op checks every tensor's dtype, device and
+// shape against the others before the kernel reads them, and the kernel checks the indices the tables hold as it
+// reads them (ca_run); a violation is a ValueError naming the argument and its limit.
 //
 // Why an op and not ctypes: this op's call, its checks included, takes about 6 us, and the Python op in front of it
-// about 9 more, where ctypes' 39 arguments with the checks in Python took 35 (compiled_attn/native_decode.py). Built
-// without -march, once for every level: the kernel's translation unit (block_partials.cpp) is the one built per
-// level, and linked with this one.
+// about 9 more, where ctypes' 39 arguments with the checks in Python took 35 (compiled_attn/kernels/cpu/kernel.py).
+// Built without -march, once for every level: the kernel's translation unit (block_partials.cpp) is the one built
+// per level, and linked with this one.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -119,9 +119,8 @@ void run(const KernelCall& c, const at::Tensor& k_cache) {
                     "position (num_slots ", c.num_slots, "): check req_to_token and the planned block table");
   TORCH_CHECK_VALUE(rc != kDraftSlotOutside, "native decode kernel: draft_slots names a KV slot outside the cache "
                     "that a draft token sees (num_slots ", c.num_slots, "): check the draft keys' slots");
-  TORCH_CHECK_VALUE(rc != kBadBlockRow, "native decode kernel: block_req holds a row outside [0, ",
-                    c.out ? c.rows : c.q_rows, ") (q's rows", c.out ? ", or past them for an unused block" : "",
-                    "): check the block table");
+  TORCH_CHECK_VALUE(rc != kBadBlockRow, "native decode kernel: block_req holds a row outside [0, ", c.rows,
+                    ") (q's rows, or past them for an unused block): check the block table");
   TORCH_CHECK_VALUE(rc != kPathRefused, "native decode kernel: path '", kPaths[c.path], "' does not serve this call ",
                     "(cache ", name_of(k_cache.scalar_type()), ", ", c.G, " query rows per KV head, head sizes ", c.D,
                     "/", c.Dv, ", q_bf16_scale ", c.q_bf16_scale, ") in this build (ISA bits ", ca_isa(),
@@ -131,7 +130,7 @@ void run(const KernelCall& c, const at::Tensor& k_cache) {
                     "float32, bfloat16, float16 (return code ", rc, ")");
 }
 
-// The merged form (native_decode.native_decode_blocks' arguments, path as its number): q [num_rows * tokens, Hq, D]
+// The merged form (kernel.py's native_decode_blocks' arguments, the path by its number): q [num_rows * tokens, Hq, D]
 // -> [num_rows * tokens, Hq, Dv] in q's dtype.
 at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const at::Tensor& runs,
                          const at::Tensor& valid, int64_t unit, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -190,40 +189,12 @@ at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const
   return out.to(q.scalar_type());
 }
 
-// The partials form (native_decode.native_block_partials' arguments): qs [rows, Hkv, G, D] float32 -> m, lsum [n,
-// Hkv, G] and o [n, Hkv, G, Dv], float32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_partials(
-    const at::Tensor& qs, const at::Tensor& block_req, const at::Tensor& runs, const at::Tensor& valid, int64_t unit,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, double k_scale, double v_scale, double logit_cap,
-    double q_bf16_scale, int64_t path) {
-  KernelCall c{};
-  check_cpu("qs", qs);
-  const int64_t hkv = cache_heads(k_cache);
-  TORCH_CHECK_VALUE(qs.scalar_type() == at::kFloat && qs.dim() == 4 && qs.size(1) == hkv && qs.size(2) > 0,
-                    "qs must be float32 [rows, Hkv=", hkv, ", G, D], got ", described(qs));
-  check_caches(k_cache, v_cache, qs.size(3), c);
-  at::Tensor keep[3];
-  check_blocks(block_req, runs, valid, unit, c, keep);
-  c.G = qs.size(2), c.path = path_number(path);
-  const auto f32 = qs.options().dtype(at::kFloat);
-  at::Tensor m = at::empty({c.n, hkv, c.G}, f32), l = at::empty({c.n, hkv, c.G}, f32);
-  at::Tensor o = at::empty({c.n, hkv, c.G, c.Dv}, f32);
-  if (c.n == 0) return {m, l, o};
-  const at::Tensor qc = qs.contiguous();
-  c.q = qc.data_ptr(), c.q_rows = qs.size(0), c.q_tokens = 1, c.rows = qs.size(0);
-  c.k_scale = (float)k_scale, c.v_scale = (float)v_scale, c.cap = (float)logit_cap;
-  c.q_bf16_scale = (float)q_bf16_scale, c.threads = at::get_num_threads();
-  c.m = m.data_ptr<float>(), c.l = l.data_ptr<float>(), c.o = o.data_ptr<float>();
-  run(c, k_cache);
-  return {m, l, o};
-}
-
 std::string last_error;
 
 }  // namespace
 
-// Defines the two ops under namespace ns (once per loaded library: a second call finds them there). Returns 0, or 1
-// with the reason in ca_register_error (a namespace another library took, say).
+// Defines the op under namespace ns (once per loaded library: a second call finds it there). Returns 0, or 1 with
+// the reason in ca_register_error (a namespace another library took, say).
 extern "C" int ca_register_ops(const char* ns) {
   // the registrations live as long as the process: never freed (a library is never unloaded, and at exit there is
   // nothing to take back from a dispatcher on its way out)
@@ -234,12 +205,8 @@ extern "C" int ca_register_ops(const char* ns) {
     d->def("decode_blocks(Tensor q, Tensor block_req, Tensor runs, Tensor valid, int unit, Tensor k_cache, "
            "Tensor v_cache, float k_scale, float v_scale, float logit_cap, int num_rows, Tensor? sinks, "
            "float q_bf16_scale, Tensor? draft_slots, Tensor? draft_mask, int tokens, int path) -> Tensor");
-    d->def("block_partials(Tensor qs, Tensor block_req, Tensor runs, Tensor valid, int unit, Tensor k_cache, "
-           "Tensor v_cache, float k_scale, float v_scale, float logit_cap, float q_bf16_scale, int path) "
-           "-> (Tensor, Tensor, Tensor)");
     auto i = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CPU, __FILE__, __LINE__);
     i->impl("decode_blocks", &decode_blocks);
-    i->impl("block_partials", &block_partials);
     i.release();
     defs = d.release();
     return 0;
