@@ -1,7 +1,6 @@
 """The public one-call functions: ``plan`` (host checks, metadata) followed by ``run`` (pure tensor code).
 
-For repeated layers of one batch, call ``plan_*`` once, ``build_*_index`` once, then ``decode_blocks`` /
-``extend_tiles`` per layer (after ``plan_extend_tiles``), as the SGLang backend and the captured decode step do.
+For many layers of one batch, plan and index once and run per layer (docs/design.md).
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from .plan import plan_decode, plan_extend
 
 def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when ``v_cache`` is a view of ``k_cache``'s first columns (MLA's latent cache), so one gather serves
-    both. Host-side check on the caches' storage; call it once, outside compiled code."""
+    both. A host-side check; call it outside compiled code."""
     return (v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
             and v_cache.storage_offset() == k_cache.storage_offset() and v_cache.stride() == k_cache.stride()
             and v_cache.shape[:2] == k_cache.shape[:2] and v_cache.shape[2] <= k_cache.shape[2])
@@ -31,13 +30,11 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
                      k_scale=None, v_scale=None, sinks=None, form=None) -> torch.Tensor:
     """Attention of one new token per request over its cached keys.
 
-    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache,
-    as MLA's latent cache); req_to_token: [max_reqs, max_context_len] int32; req_pool_indices, seq_lens: [bs].
-    Request i attends to positions ``[0, seq_lens[i])`` (see ``plan_decode`` for windows, encoders and
-    ``page_size``). The caches may be float8 (``k_scale``/``v_scale``: the per-layer dequantisation scales,
-    None meaning 1) or another dtype than q (``kv_dtype``). sinks: optional [Hq] attention-sink logits (gpt-oss),
-    each joining its head's softmax denominator. form: one of ``forms.FORMS`` to run that form (None: chosen,
-    ``forms.choose_form``). Returns ``[bs, Hq, Dv]`` in q.dtype.
+    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv] (may be a view of k_cache:
+    MLA); req_to_token: [max_reqs, max_context_len] int32; req_pool_indices, seq_lens: [bs]. Request i attends to
+    positions ``[0, seq_lens[i])`` (``plan_decode``: windows, encoders, ``page_size``). k_scale/v_scale: per-layer
+    dequantisation scales (None meaning 1); sinks: optional [Hq] attention-sink logits; form: one of
+    ``forms.FORMS`` (None: chosen). Returns ``[bs, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
     validate.check_scales(k_scale, v_scale)
@@ -59,9 +56,8 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     """Attention of each request's new tokens over its cached prefix and themselves.
 
     q: [num_tokens, Hq, Dqk], request i's queries (positions ``[extend_prefix_lens[i], seq_lens[i])``) packed in
-    request order; caches, table, ``page_size``, scales and sinks as in ``decode_attention``; the new tokens' K/V must
-    already be written. form: one of ``forms.EXTEND_FORMS`` (None: chosen, ``forms.choose_extend_form``). Returns
-    ``[num_tokens, Hq, Dv]`` in q.dtype.
+    request order; the rest as in ``decode_attention``, the new tokens' K/V already written. form: one of
+    ``forms.EXTEND_FORMS`` (None: chosen). Returns ``[num_tokens, Hq, Dv]`` in q.dtype.
     """
     validate.check_window_and_cap(None, logit_cap)
     validate.check_scales(k_scale, v_scale)

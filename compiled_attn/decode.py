@@ -1,18 +1,8 @@
 """Decode attention (one query token per request) over the paged KV cache, as split-KV blocks.
 
-Why blocks: padding every request to the batch's longest context made a batched decode slower than the
-per-request loop at mixed lengths. Here each request's KV range is cut into fixed-size blocks and the batch is
-the flat list of all blocks, so the work follows the sum of the lengths (each request rounded up to one block),
-and a captured graph's cost follows its block-capacity bucket, not the table width. Each block computes a partial
-softmax (its max, its sum, its weighted V); the blocks of one request are merged with the log-sum-exp rule
-(flash-decoding). GQA never expands K/V: queries are grouped as ``[Hkv, group, D]`` against one K block.
-
-One kernel per device computes the blocks (``forms.choose_form`` picks it and says why): on CPU the C++ kernel
-(``native_decode``) reads K/V in place through the block table, skips a bucket's unused blocks and merges the rest
-in the same call; on CUDA the Triton kernel reads each request's range from device memory and skips the blocks past
-it; elsewhere, or where no kernel serves the call, the matmul form below gathers the blocks (inductor fuses it).
-
-All functions here are pure tensor code: no ``.item()``, no host sync, no value-dependent Python branch.
+Each request's KV range is cut into fixed-size blocks, each computes a partial softmax, and a request's blocks are
+merged by log-sum-exp (flash-decoding; docs/design.md). ``forms.choose_form`` picks the form: the C++ kernel on CPU,
+Triton on CUDA, else the matmul form below. Pure tensor code: no ``.item()``, no host sync, no value branch.
 """
 from __future__ import annotations
 
@@ -28,13 +18,7 @@ from .forms import choose_form, explain
 from .kernels.cpu.kernel import bf16_query_scale, native_decode_blocks
 from .kernels.triton_form import triton_decode_blocks
 from .kv import dequantize, gather_rows, scale_pair
-from .plan import (
-    DecodeInputs,
-    aligned_kv_lo,
-    cdiv,
-    decode_blocks_needed,
-    gather_unit,
-)
+from .plan import DecodeInputs, aligned_kv_lo, cdiv, decode_blocks_needed, gather_unit
 
 __all__ = ["DecodeIndex", "SlotMap", "build_decode_index", "decode_blocks", "matmul_partials", "masked_softmax_parts",
            "merge_blocks", "sinks_by_kv_head", "translate_slots"]
@@ -42,8 +26,7 @@ __all__ = ["DecodeIndex", "SlotMap", "build_decode_index", "decode_blocks", "mat
 
 @dataclass
 class DecodeIndex:
-    """Per-step block table shared by every layer (built once per step by ``build_decode_index``); read only (a
-    batch of one's host-built ``valid`` and ``block_req`` are views of shared constants).
+    """Per-step block table shared by every layer (``build_decode_index``); read only.
 
     block_req: [num_blocks] int64, the batch row each block belongs to (``num_rows`` for unused blocks)
     slots:     [num_blocks, block_size] int64, KV slot of each block position; where invalid, the block's first
@@ -51,8 +34,7 @@ class DecodeIndex:
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
     unit:      positions per gathered run: ``gcd(page_size, block_size)`` (1 for a token-granular cache)
     units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
-    req_to_token, inputs: what the index was built from: the Triton kernel reads each request's range from them
-               instead of the block table (None in an index built by hand)
+    req_to_token, inputs: what the index was built from, for the Triton kernel (None in one built by hand)
     """
 
     block_req: torch.Tensor
@@ -74,18 +56,16 @@ class DecodeIndex:
 
 
 class SlotMap(NamedTuple):
-    """A slot translation: the caches a layer reads are indexed by ``table[slot]`` of the slots ``req_to_token``
-    holds (SGLang's hybrid sliding-window pool: ``SWAKVPool.full_to_swa_index_mapping``, a full-pool slot to its
-    slot in the window layers' own pool). num_slots: the rows of the caches read through it."""
+    """A slot translation: a layer's caches are indexed by ``table[slot]`` of the slots ``req_to_token`` holds
+    (SGLang's hybrid sliding-window pool, ``SWAKVPool.full_to_swa_index_mapping``). num_slots: the caches' rows."""
 
     table: torch.Tensor
     num_slots: int
 
 
 def translate_slots(slots: torch.Tensor, slot_map: SlotMap | None) -> torch.Tensor:
-    """``slots`` (int64, any shape) through ``slot_map`` (None: as they are): pure tensor code. The slot is clamped
-    into the table and the translation into ``[0, num_slots)``, so no entry reads outside the caches (SGLang's
-    table ends with a -1 sentinel, and holds 0, the padding slot, for tokens freed from the window)."""
+    """``slots`` (int64, any shape) through ``slot_map`` (None: as they are). Both lookups are clamped, so no entry
+    reads outside the caches (SGLang's table ends with a -1 sentinel)."""
     if slot_map is None:
         return slots
     table, num_slots = slot_map
@@ -96,20 +76,14 @@ def build_decode_index(req_to_token: torch.Tensor, inputs: DecodeInputs, page_si
                        host_form: bool = True, slot_map: SlotMap | None = None) -> DecodeIndex:
     """Cut each request's KV range ``[kv_lo, kv_hi)`` into blocks and look up their slots.
 
-    req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs``, or a
-    captured step's static buffers): the length of ``block_ids`` is the block capacity, of ``block_offsets`` the
-    block size. page_size: the cache's page size (as planned: ``plan_decode(page_size=...)``); with it > 1,
-    ``units`` names runs of ``gcd(page_size, block_size)`` consecutive slots and blocks start at run boundaries.
-    host_form: a batch of one on CPU, called eagerly, is indexed on the host (``_single_request_index``); False
-    keeps the pure tensor form (metadata a graph records, or that compiled code receives as an input).
-    slot_map: the index's slots translated (``translate_slots``); ``req_to_token`` and ``inputs`` of the index are
-    then those of a table of translated slots (the block slots as one row), which the Triton form reads.
+    req_to_token: [max_reqs, max_context_len] int32; inputs: ``DecodeInputs`` (``plan_decode(...).inputs`` or a
+    captured step's static buffers; ``block_ids``' length is the block capacity). page_size: as planned.
+    host_form: index an eager batch of one on CPU on the host (``_single_request_index``); False: tensor code.
+    slot_map: the slots translated (``translate_slots``); the index's ``req_to_token`` and ``inputs`` are then a
+    table of translated slots (the block slots as one row), which the Triton form reads.
     """
-    req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
-    bs = req_rows.shape[0]
-    block_size = block_offsets.shape[0]
-    unit = gather_unit(page_size, block_size)
-    if host_form and bs == 1 and req_to_token.is_cpu and not torch.compiler.is_compiling():
+    unit = gather_unit(page_size, inputs.block_offsets.shape[0])
+    if host_form and inputs.req_rows.shape[0] == 1 and req_to_token.is_cpu and not torch.compiler.is_compiling():
         return _single_request_index(req_to_token, inputs, unit, slot_map)
     return _batched_index(req_to_token, inputs, unit, slot_map)
 
@@ -133,10 +107,8 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
     valid = used[:, None] & (pos < kv_hi[req][:, None])
     if unit > 1:  # the first block starts at a run boundary: positions before kv_lo are masked
         valid &= pos >= kv_lo[req][:, None]
-    # A masked position gathers its block's first key (inside the request's range for a used block), never a slot
-    # no request owns: SGLang writes padded rows' K/V to slot 0 and a fresh pool is uninitialised memory, and a
-    # NaN gathered there survives any mask that multiplies or adds (0 * NaN, -inf + NaN). The kernels then only
-    # ever see finite keys they mask out; an unused block (its row is discarded) reads the padding slot.
+    # A masked position gathers its block's first key, never a slot no request owns (padding or uninitialised
+    # memory): a NaN gathered there survives any mask that multiplies or adds. Unused blocks read the padding slot.
     pos = torch.where(valid, pos, torch.where(used, start, 0)[:, None])
     slots = translate_slots(req_to_token[req_rows[req][:, None], pos].to(torch.int64), slot_map)
     slots = torch.where(used[:, None], slots, 0)
@@ -154,11 +126,8 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
                           slot_map: SlotMap | None = None) -> DecodeIndex:
-    """``build_decode_index`` of a batch of one on CPU, eagerly, equal field by field to the general form, built in
-    numpy on the host: the request's slots copied from its table row, the masked positions (before ``kv_lo`` in
-    the first block, past ``kv_hi`` in the last) set from their block's first slot. Why: the general form's ~25
-    torch ops cost as much as the attention of a short request at batch 1; a numpy op costs a fraction of one.
-    Traced code (``torch.compile``) and CUDA keep the general form."""
+    """``build_decode_index`` of a batch of one on CPU, eagerly, in numpy; equal field by field to the general form.
+    Why: the general form's ~25 torch ops cost as much as a short request's attention at batch 1."""
     req_rows, kv_lo, kv_hi, block_ids, block_offsets = inputs
     block_size, capacity = block_offsets.shape[0], block_ids.shape[0]
     row, lo, hi = req_rows.item(), kv_lo.item(), kv_hi.item()
@@ -213,14 +182,11 @@ def decode_blocks(
 ) -> torch.Tensor:
     """Attention of one query per request over its KV blocks.
 
-    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv], in any ``kv_dtype.KV_DTYPES``
-    (float8 included: dequantised in the gather as ``stored * k_scale`` / ``stored * v_scale``, None meaning 1)
-    v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once and take V as its view
-    sinks: [Hq] attention sinks (gpt-oss): a learned logit per head that joins each row's softmax denominator
-        (``exp(sink)`` beside the keys' ``exp(score)``) with no value, so a row can attend to "nothing"
-    form: "auto" (or None) runs the device's kernel where it serves the call, else the matmul form; "kernel",
-        "triton" or "matmul" runs that form (``forms.choose_form`` decides, and says why:
-        ``COMPILED_ATTN_EXPLAIN=1``). The choice follows shapes, dtypes and the device, never tensor values.
+    q: [bs, Hq, Dqk]; k_cache: [num_slots, Hkv, Dqk]; v_cache: [num_slots, Hkv, Dv], in any ``kv.KV_DTYPES``
+    (float8: dequantised as ``stored * k_scale`` / ``stored * v_scale``, None meaning 1)
+    v_shares_k: V is the first Dv columns of K (MLA's latent cache): gather K once
+    sinks: [Hq] attention-sink logits (gpt-oss), each joining its head's softmax denominator with no value
+    form: "auto" (or None), "kernel", "triton" or "matmul" (``forms.choose_form``)
     returns [bs, Hq, Dv] in q.dtype; softmax and accumulation in float32; a row with no keys gives zeros.
     """
     bs, hq, dqk = q.shape
@@ -233,12 +199,12 @@ def decode_blocks(
         return q.new_zeros(0, hq, dv)
     choice = choose_form("decode", q, k_cache, v_cache, rows_per_kv_head=hq // hkv, form=form)
     explain("decode_blocks", choice, q, k_cache, v_cache, hq // hkv)
-    if choice.form == "kernel":  # blocks and merge in one kernel call, a bucket's unused blocks skipped inside it
+    if choice.form == "kernel":  # blocks and merge in one call
         ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
         return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
                                     ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
                                     bf16_query_scale(q, k_cache, 1.0), path=choice.path)
-    if choice.form == "triton":  # the kernel reads each request's range and skips the blocks past it
+    if choice.form == "triton":
         return triton_decode_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
                                     sinks)
     qg = q.view(bs, hkv, hq // hkv, dqk)
@@ -252,9 +218,8 @@ def matmul_partials(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The portable form's blocks: each block's partial softmax by gathers and batched matmuls.
 
-    qg: [bs, Hkv, rows, Dqk] queries grouped by KV head (decode: the group's heads; verify: k draft tokens times
-    them); index: the blocks (``DecodeIndex``; unused blocks, of row bs, read the last row and are masked);
-    -> m, lsum [nblk, Hkv, rows] and o [nblk, Hkv, rows, Dv] unnormalised, float32."""
+    qg: [bs, Hkv, rows, Dqk] queries grouped by KV head (verify: k draft tokens times the group); index: the
+    blocks -> m, lsum [nblk, Hkv, rows] and o [nblk, Hkv, rows, Dv] unnormalised, float32."""
     bs, hkv, _, dqk = qg.shape
     dv = v_cache.shape[2]
     nblk, block_size = index.slots.shape
@@ -262,9 +227,8 @@ def matmul_partials(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qb = qg.index_select(0, index.block_req.clamp_max(bs - 1)).float() * scale  # [nblk, Hkv, rows, D]
     valid = index.valid[:, None, :]
     ms, ls, os_ = [], [], []
-    # One KV head at a time: each gather is a contiguous [blocks, block_size, D] tile set that the batched
-    # matmuls read directly, and is 1/Hkv of the batch's K, small enough for the allocator to recycle
-    # (a whole-batch gather over 32 MB is mmap'ed and page-faulted afresh each step).
+    # One KV head at a time: a contiguous gather the matmuls read directly, small enough for the allocator to
+    # recycle (a whole-batch gather is mmap'ed and page-faulted afresh each step).
     for h in range(hkv):
         k = dequantize(gather_rows(k_cache[:, h], flat), torch.float32, k_scale).view(nblk, block_size, dqk)
         if v_shares_k and (v_scale or 1.0) == (k_scale or 1.0):  # one latent cache, one scale
@@ -280,8 +244,8 @@ def matmul_partials(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def masked_softmax_parts(s: torch.Tensor, valid: torch.Tensor, logit_cap: float | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores s [..., keys] -> (row max, exp weights); select, never multiply: a masked score or weight is replaced,
-    so nothing gathered there reaches the sums. valid broadcasts against s."""
+    """Scores s [..., keys] -> (row max, exp weights); masked entries are selected away, never multiplied, so
+    nothing gathered there reaches the sums. valid broadcasts against s."""
     if logit_cap is not None:
         s = logit_cap * torch.tanh(s / logit_cap)
     s = s.masked_fill(~valid, torch.finfo(torch.float32).min)
@@ -305,15 +269,11 @@ def merge_blocks(m: torch.Tensor, lsum: torch.Tensor, o: torch.Tensor, block_req
 
     m, lsum: [nblk, Hkv, group] block max and sum of exp; o: [nblk, Hkv, group, Dv] block's unnormalised output;
     block_req: [nblk] request of each block, ``num_rows`` for unused blocks; sinks: [Hkv, group] float32 logits
-    that join every row's denominator (``decode_blocks``' ``sinks``) -> [num_rows, Hkv, group, Dv] float32.
-
-    An opaque op on purpose: inside ``torch.compile`` inductor turns ``index_add`` into an element-wise
-    ``scatter_reduce_`` that is far slower on CPU than ATen's row-wise ``index_add``; as an opaque op the
-    compiled step calls the fast ATen kernels (and a CUDA graph records them like any other kernel).
+    that join every row's denominator -> [num_rows, Hkv, group, Dv] float32. An opaque op because inductor turns
+    ``index_add`` into an element-wise ``scatter_reduce_``, far slower on CPU.
     """
     rows = num_rows + 1  # the extra row collects unused blocks
-    # ATen's fast row-wise index_add needs contiguous operands (else it takes an element-wise scatter path); a
-    # half-precision kernel's block outputs are merged in float32
+    # ATen's fast row-wise index_add needs contiguous operands; half-precision block outputs merge in float32
     m, lsum, o = m.contiguous(), lsum.contiguous(), o.float().contiguous()
     lowest = torch.finfo(torch.float32).min
     m_req = torch.full((rows, *m.shape[1:]), lowest, device=m.device, dtype=m.dtype)

@@ -1,21 +1,8 @@
 """Ragged tiled extend (prefill): work follows sum(q_len x visible keys), not bs x max(q_len) x max(kv_len).
 
-Each request's new tokens are cut into query tiles of ``TQ`` rows and its key range into key tiles of ``TK``
-keys; only the (query tile, key tile) pairs that the causal mask, the sliding window or the cross-attention range
-leave non-empty are kept (``plan_extend_tiles``, host side, once per batch), and pairs whose every (query, key) is
-visible are marked ``full`` (no mask needed). The pair list is padded to a bucket (``pair_capacity``): padded
-pairs have no query and no key, so they do no work and contribute nothing.
-
-Per step, ``build_extend_tile_index`` looks up each pair's key slots and builds its mask (pure tensor code:
-compiles with ``fullgraph=True``). Per layer, ``extend_tiles`` attends each pair and merges a query row's partial
-softmaxes across its key tiles by the log-sum-exp rule. GQA never expands K/V: a tile's queries are laid out as
-``[Hkv, group * TQ, D]`` against one K tile. Two forms, chosen by ``forms.choose_extend_form`` (``form=``):
-
-- ``kernel`` (CPU, no soft-cap, ``Dv <= Dqk``: a narrower V is zero-padded): ``kernels/cpu/extend_flash.py``, an
-  opaque op running ATen's CPU flash kernel over each query tile's consecutive key tiles;
-- ``matmul`` (elsewhere: CUDA, soft-cap): batched matmuls over static chunks of pairs, float32 softmax, partials
-  merged by ``decode.merge_blocks`` with rows = packed query tokens. Invalid key rows are zeroed after the gather
-  (``torch.where``), so NaN/Inf in the padding slot never reaches an output (0 * NaN is NaN).
+``plan_extend_tiles`` (host, once per batch) keeps the (query tile, key tile) pairs the mask leaves non-empty,
+padded to a bucket; ``build_extend_tile_index`` (per step) looks up slots and masks; ``extend_tiles`` (per layer)
+runs the ``kernel`` or ``matmul`` form (``forms.choose_extend_form``), partials merged by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -66,8 +53,7 @@ PAIR_FIELDS = ExtendTileInputs._fields[:7]
 
 
 def pad_pairs(inputs: ExtendTileInputs, capacity: int, num_tokens: int) -> ExtendTileInputs:
-    """The pair list padded to ``capacity`` pairs (a bucket): padded pairs have no query and no key, and their
-    first query index is ``num_tokens``, past the batch."""
+    """The pair list padded to ``capacity`` pairs: padded pairs have no query, no key, and ``q_start`` past q."""
     n = inputs.pair_row.shape[0]
     if capacity == n:
         return inputs
@@ -99,6 +85,12 @@ class ExtendTilePlan:
     computed_qk: int
 
 
+def _ragged(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] int64 counts -> (group, rank), each [sum(counts)]: item i is the rank[i]-th of group group[i]."""
+    group = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    return group, torch.arange(group.shape[0]) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+
+
 def _visible_range(p: torch.Tensor, kv_len: torch.Tensor, causal: bool, window: int | None):
     """Keys ``[lo, hi]`` visible to a query at relative position ``p`` (hi < lo when none). All [n] int64."""
     hi = torch.minimum(p, kv_len - 1) if causal else kv_len - 1
@@ -108,11 +100,8 @@ def _visible_range(p: torch.Tensor, kv_len: torch.Tensor, causal: bool, window: 
 
 def plan_extend_tiles(meta: ExtendMetadata, *, tile_q: int = 64, tile_k: int = 64,
                       pair_capacity: int | None = None) -> ExtendTilePlan:
-    """Host-side pair list of an extend batch planned by ``plan.plan_extend`` (key ``j`` of request ``b`` at
-    position ``kv_lo[b] + j``, its query ``i`` at ``q_first[b] + i``).
-
-    Padded requests (``q_len == 0``) have no tiles. ``pair_capacity``: the bucket (default: exactly the pairs
-    needed, at least 1); raises ``ValueError`` when the batch needs more.
+    """Host-side pair list of an extend batch planned by ``plan.plan_extend``; padded requests have no tiles.
+    ``pair_capacity``: the bucket (default: the pairs needed, at least 1); ``ValueError`` when the batch needs more.
     """
     i = meta.inputs
     with run_on_threads(1):  # tiny tensors: as parallel regions they stalled on a descheduled thread
@@ -126,10 +115,7 @@ def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_t
     req_rows, kv_lo, kv_len, q_first, q_len, q_offsets = (
         t.detach().to("cpu", torch.int64) for t in (req_rows, kv_lo, kv_len, q_first, q_len, q_offsets))
     window = sliding_window  # plan_extend normalised it (SGLang's -1 is None there)
-    # query tiles, flat over the batch
-    nq = cdiv(q_len, tile_q)
-    tile_req = torch.repeat_interleave(torch.arange(q_len.shape[0]), nq)
-    tile_idx = torch.arange(tile_req.shape[0]) - torch.repeat_interleave(torch.cumsum(nq, 0) - nq, nq)
+    tile_req, tile_idx = _ragged(cdiv(q_len, tile_q))  # query tiles, flat over the batch
     i0 = tile_idx * tile_q
     qc = torch.minimum(q_len[tile_req] - i0, torch.tensor(tile_q))
     pmin = q_first[tile_req] + i0
@@ -138,12 +124,9 @@ def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_t
     # the keys any query of the tile sees form one range: [lo of the first query, hi of the last]
     lo, _ = _visible_range(pmin, length, causal, window)
     _, hi = _visible_range(pmax, length, causal, window)
-    has = hi >= lo
     u_lo, u_hi = lo // tile_k, hi // tile_k
-    npairs = torch.where(has, u_hi - u_lo + 1, 0)
-    pair_tile = torch.repeat_interleave(torch.arange(tile_req.shape[0]), npairs)
-    u = u_lo[pair_tile] + torch.arange(pair_tile.shape[0]) - torch.repeat_interleave(torch.cumsum(npairs, 0) - npairs,
-                                                                                     npairs)
+    pair_tile, pair_idx = _ragged(torch.where(hi >= lo, u_hi - u_lo + 1, 0))
+    u = u_lo[pair_tile] + pair_idx
     req = tile_req[pair_tile]
     k0 = u * tile_k
     kc = torch.minimum(kv_len[req] - k0, torch.tensor(tile_k))
@@ -158,8 +141,8 @@ def _plan_extend_tiles(req_rows, kv_lo, kv_len, q_first, q_len, q_offsets, num_t
     if cap < needed:
         raise ValueError(f"pair_capacity={cap} is smaller than this batch needs ({needed})")
     # useful work: every real query's visible keys
-    q_req = torch.repeat_interleave(torch.arange(q_len.shape[0]), q_len)
-    p = q_first[q_req] + torch.arange(q_req.shape[0]) - torch.repeat_interleave(torch.cumsum(q_len, 0) - q_len, q_len)
+    q_req, q_idx = _ragged(q_len)
+    p = q_first[q_req] + q_idx
     vlo, vhi = _visible_range(p, kv_len[q_req], causal, window)
 
     inputs = ExtendTileInputs(
@@ -177,8 +160,7 @@ class ExtendTileIndex:
 
     slots:   [P, TK] int64, KV slot of each key (slot 0 where invalid); k_valid: [P, TK] bool
     q_rows:  [P, TQ] int64, packed query row of each tile row (-1 where invalid)
-    mask:    [P, TQ, TK] bool, query row sees key (False for invalid rows and keys); None when built without
-             (the CPU form masks its few diagonal spans itself, from ``q_rel``)
+    mask:    [P, TQ, TK] bool, query row sees key (False for invalid rows and keys); None for the CPU form
     q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (from the plan, for the CPU form)
     causal, sliding_window: the static settings the index was built for
     """
@@ -199,10 +181,9 @@ class ExtendTileIndex:
 def build_extend_tile_index(req_to_token: torch.Tensor, inputs: ExtendTileInputs, *, causal: bool,
                             sliding_window: int | None, with_mask: bool = True,
                             slot_map: SlotMap | None = None) -> ExtendTileIndex:
-    """Pure tensor code (no host sync). req_to_token: [max_reqs, max_context_len] int32; inputs:
-    ``plan_extend_tiles(...).inputs`` (pair tensors [P]; q_ids: [TQ], k_ids: [TK] aranges).
-    with_mask: build the [P, TQ, TK] mask the matmul form needs (the kernel form does without: in eager mode it was
-    most of the index's cost). slot_map: the key slots translated (``decode.translate_slots``).
+    """Pure tensor code. req_to_token: [max_reqs, max_context_len] int32; inputs: ``plan_extend_tiles(...).inputs``.
+    with_mask: build the [P, TQ, TK] mask the matmul form needs (the kernel form does without).
+    slot_map: the key slots translated (``decode.translate_slots``).
     """
     pair_row, kv_start, k_count, q_start, q_count, q_rel, full, q_ids, k_ids = inputs
     k_valid = k_ids[None, :] < k_count[:, None]  # [P, TK]
@@ -229,10 +210,8 @@ def extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] -> [num_tokens, Hq, Dv] in q.dtype.
 
-    The caches may be any ``kv.KV_DTYPES`` (float8: dequantised in the gather as ``stored * k_scale`` /
-    ``stored * v_scale``, None meaning 1). sinks: [Hq] attention-sink logits, as in ``decode_blocks``.
-    form: "auto" (or None), "kernel" or "matmul" (``forms.choose_extend_form``); the choice follows shapes, dtypes
-    and the device, never values. span_keys: keys per kernel call (default about ``extend_flash.SPAN_BYTES`` of K).
+    Caches, scales and sinks as in ``decode.decode_blocks``. form: "auto" (or None), "kernel" or "matmul"
+    (``forms.choose_extend_form``). span_keys: keys per kernel call (default about ``extend_flash.SPAN_BYTES`` of K).
     """
     t, hq, _ = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -294,10 +273,8 @@ def _extend_matmul(q, k_cache, v_cache, index: ExtendTileIndex, scale: float, lo
 
 
 def default_tile_q(form: str) -> int:
-    """Query tile rows per form (``form``: "kernel" or "matmul", as ``choose_extend_form`` returns). The kernel:
-    256 (group * 256 rows reach ATen's large query block, and its causal diagonal skips the masked half, so a big
-    tile wastes nothing); matmul form: 64, where every (query, key) of a kept tile is computed and a big tile would
-    compute more of the masked triangle."""
+    """Query tile rows per form: the kernel 256 (reaches ATen's large query block; its causal diagonal skips the
+    masked half), the matmul form 64 (it computes every (query, key) of a kept tile, masked ones included)."""
     return 256 if form == "kernel" else 64
 
 
@@ -305,8 +282,7 @@ def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale:
                  logit_cap: float | None = None, *, tile_q: int | None = None, tile_k: int = 64,
                  pair_capacity: int | None = None, form: str | None = "auto", k_scale: float | None = None,
                  v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Plan the tiles of a planned extend batch, build the index and run one layer (``api.extend_attention`` and
-    single-layer callers); ``tile_q`` defaults to the form's ``default_tile_q``. -> [num_tokens, Hq, Dv]."""
+    """Plan the tiles, build the index and run one layer (``api.extend_attention``). -> [num_tokens, Hq, Dv]."""
     form = choose_extend_form(q, k_cache, v_cache, logit_cap, form).form
     index = tile_index(req_to_token, meta, form, tile_q=tile_q, tile_k=tile_k, pair_capacity=pair_capacity)
     return extend_tiles(q, k_cache, v_cache, index, scale, logit_cap, form=form, k_scale=k_scale, v_scale=v_scale,
@@ -315,9 +291,8 @@ def extend_tiled(q, k_cache, v_cache, req_to_token, meta: ExtendMetadata, scale:
 
 def tile_index(req_to_token: torch.Tensor, meta: ExtendMetadata, form: str, *, tile_q: int | None = None,
                tile_k: int = 64, pair_capacity: int | None = None, slot_map: SlotMap | None = None) -> ExtendTileIndex:
-    """Eager, once per step: plan the tiles of a planned batch and build the index its layers share, for ``form``
-    ("kernel" or "matmul", as ``choose_extend_form`` returns: the kernel needs no mask; ``tile_q`` defaults to the
-    form's ``default_tile_q``); slot_map: as ``build_extend_tile_index``'s."""
+    """Eager, once per step: plan the tiles and build the index the layers share, for ``form`` ("kernel" or
+    "matmul"; ``tile_q`` defaults to ``default_tile_q(form)``); slot_map: as ``build_extend_tile_index``'s."""
     tiles = plan_extend_tiles(meta, tile_q=tile_q or default_tile_q(form), tile_k=tile_k,
                               pair_capacity=pair_capacity)
     return build_extend_tile_index(req_to_token, tiles.inputs, causal=tiles.causal,

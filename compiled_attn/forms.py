@@ -1,12 +1,7 @@
 """Which code computes a call, and why: ``choose_form`` (decode, verify's prefix) and ``choose_extend_form``.
 
-One kernel per device: ``kernel`` on CPU (decode and verify: the C++ kernel, ``kernels/cpu/kernel.py``, on the path
-``kernel_path`` picks; extend: ATen's flash kernel over tile spans, ``kernels/cpu/extend_flash.py``), ``triton`` on
-CUDA (``kernels/triton_decode.py``: each request's blocks up to its length), and ``matmul``, the portable PyTorch
-form (gathered blocks and batched matmuls, fused by inductor) wherever no kernel serves the call. ``form="auto"``
-chooses; a form's name runs it. The dispatchers run what these return, and tests ask them what a call will run
-instead of predicting from CPU flags. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct choice once per process (at
-trace time for a compiled step): the site, the shapes and dtypes, the form, the path and the reason.
+``kernel`` on CPU, ``triton`` on CUDA, ``matmul`` (portable PyTorch) wherever no kernel serves the call;
+``form="auto"`` chooses, a form's name runs it. ``COMPILED_ATTN_EXPLAIN=1`` logs each distinct choice once.
 """
 from __future__ import annotations
 
@@ -47,16 +42,14 @@ def choose_form(site: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 rows_per_kv_head: int, form: str | None = "auto") -> FormChoice:
     """The form (and kernel path) that computes a decode-like call, and why.
 
-    site: "decode" or "verify" (named in the log line); q: [rows, Hq, Dqk]; caches [num_slots, Hkv, D];
-    rows_per_kv_head: query rows a KV head's keys meet (decode: Hq // Hkv; verify: k times that); form: "auto"
-    (or None) chooses the device's kernel where it serves the call, else the matmul form; a form's name runs that
-    form (ValueError where it cannot serve the call, or for an unknown name)."""
+    site: "decode" or "verify"; q: [rows, Hq, Dqk]; rows_per_kv_head: query rows a KV head's keys meet (decode:
+    Hq // Hkv; verify: k times that); form: "auto" (or None) or a form's name (ValueError where it cannot serve
+    the call, or for an unknown name)."""
     if form not in (None, *FORMS):
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if torch.compiler.is_compiling():
         return _choose_form(q, k_cache, v_cache, rows_per_kv_head, form or "auto")
-    # eagerly, a call of the same shapes, dtypes and form on the same build chooses the same: looked up (the choice
-    # ran on every layer of every step, a few us each)
+    # eagerly, a call of the same shapes, dtypes and form chooses the same: memoised (it runs on every layer)
     key = (q.device.type, q.dtype, k_cache.dtype, v_cache.dtype, *q.shape[1:], *k_cache.shape[1:], v_cache.shape[2],
            k_cache.stride(-1), v_cache.stride(-1), rows_per_kv_head, form, cpu_kernel.native_available(),
            cpu_kernel.kernel_isa_bits(), triton_installed())
@@ -75,8 +68,7 @@ _EAGER_CHOICES_KEPT = 1024
 
 
 def _choose_form(q, k_cache, v_cache, rows: int, form: str) -> FormChoice:
-    """``choose_form``'s decision. A named kernel may run off its device (the Triton kernel on CPU tensors under
-    Triton's interpreter, ``TRITON_INTERPRET=1``: how the tests run it)."""
+    """``choose_form``'s decision. A named kernel may run off its device (Triton on CPU: ``TRITON_INTERPRET=1``)."""
     if form == "matmul":
         return FormChoice("matmul", "", "form='matmul' given: gathered blocks and batched matmuls")
     kernel = form if form != "auto" else ("triton" if q.device.type == "cuda" else "kernel")
@@ -98,10 +90,8 @@ def _choose_form(q, k_cache, v_cache, rows: int, form: str) -> FormChoice:
 
 def choose_extend_form(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float | None,
                        form: str | None = "auto") -> FormChoice:
-    """The form that computes an extend call, and why: ``kernel`` (path ``flash_tiles``: each query tile's key
-    spans through ATen's CPU flash kernel, ``kernels/cpu/extend_flash.py``) where it serves the call, else
-    ``matmul`` (static chunks of tile pairs, batched matmuls). form: "auto" (or None) chooses; "kernel" or "matmul"
-    runs that form (ValueError where the kernel cannot serve the call, or for another name)."""
+    """The form that computes an extend call, and why: ``kernel`` (path ``flash_tiles``) where it serves the call,
+    else ``matmul``. form: "auto" (or None), "kernel" or "matmul" (ValueError as ``choose_form``)."""
     if form not in (None, *EXTEND_FORMS):
         raise ValueError(f"form must be one of {EXTEND_FORMS} for extend, got {form!r}")
     if form == "matmul":
@@ -117,8 +107,7 @@ def choose_extend_form(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def explain(site: str, choice: FormChoice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             rows_per_kv_head: int) -> None:
-    """Log ``choice`` once per process where ``COMPILED_ATTN_EXPLAIN=1`` (while compiling: once per trace, at
-    trace time). The batch size is left out of the line: one choice serves every batch of a shape."""
+    """Log ``choice`` once per process where ``COMPILED_ATTN_EXPLAIN=1`` (while compiling: at trace time)."""
     if not _explaining():
         return
     compiling = torch.compiler.is_compiling()

@@ -1,18 +1,8 @@
 """The KV cache: its storage dtypes (how a gathered K/V tile becomes what a kernel reads) and its write.
 
-- float32, bfloat16, float16 caches are read as they are when the kernel computes in their dtype: ATen's CPU flash
-  kernel takes bf16/fp16 inputs and accumulates in float32, so a half-precision query over a cache of its dtype
-  needs no float32 copy (the copy doubled the bytes moved after the gather).
-- float8 caches (``float8_e4m3fn``, ``float8_e5m2``; SGLang's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) store
-  ``value / scale`` with one scale per layer for K and one for V. They are dequantised inside the gather, on the
-  few L2-sized blocks a kernel call reads, so the cache is read once at one byte per element.
-
-Pure helpers over tensors; the scales are Python floats (per layer, fixed for a server's life).
-
-Layout (per layer, SGLang's): MHA/GQA ``k: [num_slots, num_kv_heads, head_dim]``, ``v: [num_slots, num_kv_heads,
-v_head_dim]``; MLA one latent cache ``kv: [num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` whose V is the view
-``kv[..., :kv_lora_rank]``; ``req_to_token: [max_reqs, max_context_len]`` int32 maps (request row, position) to a
-slot. Pools that hold them for this project's own models: ``bench/pools.py``.
+float8 caches (SGLang's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2``) store ``value / scale``, one Python-float scale per
+layer for K and one for V, dequantised inside the gather. Layout (SGLang's): ``k: [num_slots, Hkv, Dqk]``,
+``v: [num_slots, Hkv, Dv]`` (MLA: V a view of the latent cache's first columns).
 """
 from __future__ import annotations
 
@@ -27,8 +17,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype K/V are handed to a kernel in: the query's half precision when the cache is stored in that dtype
-    or in float8 (dequantising into bf16/fp16 is exact up to the scale's rounding), else float32 (a float32 cache
-    is never rounded down to a half-precision query)."""
+    or in float8, else float32 (a float32 cache is never rounded down)."""
     if q_dtype in HALF_DTYPES and (kv_dtype == q_dtype or kv_dtype in FP8_DTYPES):
         return q_dtype
     return torch.float32
@@ -41,11 +30,9 @@ _TARGET_LAYOUT = {torch.float32: (torch.int32, 23, 127), torch.bfloat16: (torch.
 
 
 def fp8_to(x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-    """A float8 tile (contiguous) as float32/bf16/fp16 times ``scale``, by moving bits rather than ATen's
-    per-element conversion (7x slower on CPU for e4m3): the byte's exponent and mantissa bits are placed at the top
-    of the target's mantissa and exponent, which yields the value times ``2 ** (target bias - float8 bias)`` for
-    normal and subnormal codes alike; one multiply undoes that and applies the scale. Exact for every finite code;
-    float8 NaN/Inf codes become large finite values (a quantised cache holds finite values)."""
+    """A float8 tile (contiguous) as float32/bf16/fp16 times ``scale``, by moving bits (faster than ATen on CPU):
+    the byte's bits at the top of the target's give the value times ``2 ** (target bias - float8 bias)``, which one
+    multiply undoes. Exact for every finite code; NaN/Inf codes become large finite values."""
     man8, bias8 = _FP8_LAYOUT[x.dtype]
     int_dtype, man, bias = _TARGET_LAYOUT[dtype]
     bits = 8 * torch.tensor([], dtype=int_dtype).element_size()
@@ -67,9 +54,8 @@ def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
-    """``x`` (a freshly gathered tile, any shape) in ``dtype``, times ``scale`` when given and not 1.
-
-    Converts in one pass; the scale is applied in place on the converted copy (never on the cache)."""
+    """``x`` (a freshly gathered tile, any shape) in ``dtype``, times ``scale`` when given and not 1 (in place on
+    the converted copy, never on the cache)."""
     if x.dtype in FP8_DTYPES and dtype in _TARGET_LAYOUT:
         return fp8_to(x.contiguous(), dtype, scale)
     converted = x.dtype != dtype
@@ -97,17 +83,10 @@ def scale_value(scale) -> float | None:
     return float(scale)
 
 
-
-
 def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor, scale: float | None = None) -> None:
-    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]`` (static-shape index write),
-    stored as ``new / scale`` in the cache's dtype (float8 caches: the per-layer scale the readers multiply back).
-
-    Padded rows of a bucket write to the padding slot (0, reserved: never read as real data).
-    Outside compiled code and CUDA-graph capture, ``loc`` is checked to lie in ``[0, num_slots)`` (a host read; on
-    CUDA a sync): an index of -1 would otherwise overwrite the last slot. Inside a compiled or captured step the
-    caller checks it before the step (``DecodeGraphs.run`` does, for a ``RowInput(..., slots=True)``).
-    """
+    """Write ``new: [n, H, D]`` into ``cache: [num_slots, H, D]`` at slots ``loc: [n]``, stored as ``new / scale``
+    in the cache's dtype. Outside compiled code and CUDA-graph capture ``loc`` is checked to lie in
+    ``[0, num_slots)`` (a -1 would overwrite the last slot); inside one the caller checks it."""
     if not _in_graph(loc):
         validate.check_slot_values("loc (out_cache_loc)", loc, cache.shape[0])
     stored = (new if scale is None or scale == 1.0 else new / scale).to(cache.dtype)
@@ -118,6 +97,4 @@ def write_kv(cache: torch.Tensor, loc: torch.Tensor, new: torch.Tensor, scale: f
 
 def _in_graph(t: torch.Tensor) -> bool:
     """Inside torch.compile tracing or a CUDA-graph capture, where a host read is impossible."""
-    if torch.compiler.is_compiling():
-        return True
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())

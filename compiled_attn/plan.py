@@ -1,10 +1,8 @@
 """``plan``: host-side, once per batch. Validates inputs and builds bucket-padded metadata for ``run``.
 
-Follows SGLang's argument meanings: ``seq_lens`` counts a request's tokens including the new ones,
-``extend_prefix_lens`` the cached ones, ``encoder_lens`` the encoder tokens stored before the decoder's
-(cross-attention reads ``[0, encoder_len)``, decoder self-attention ``[encoder_len, encoder_len + seq_len)``).
-A decode plan does its host arithmetic on Python ints (the ``[bs]`` inputs read once) and makes its step tensors in
-one host-to-device copy: a batch of one plans in a few small tensor ops.
+Argument meanings are SGLang's: ``seq_lens`` counts a request's tokens including the new ones, ``extend_prefix_lens``
+the cached ones, ``encoder_lens`` the encoder tokens stored before the decoder's (cross-attention reads
+``[0, encoder_len)``, decoder self-attention ``[encoder_len, encoder_len + seq_len)``).
 """
 from __future__ import annotations
 
@@ -26,10 +24,8 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "DecodeInputs", "DecodeMetadata", "ExtendInputs
 DEFAULT_BLOCK_SIZE = 64
 
 
-
 def fields_of(cls, tensors: Mapping[str, torch.Tensor]):
-    """An instance of the NamedTuple ``cls`` of step inputs, its fields picked by name from a mapping that may hold
-    more (a captured step's static buffers): ``DecodeInputs.of``, ``ExtendTileInputs.of``, ``VerifyInputs.of``."""
+    """The NamedTuple ``cls`` of step inputs, its fields picked by name from a mapping that may hold more."""
     return cls(*(tensors[name] for name in cls._fields))
 
 
@@ -107,7 +103,6 @@ class ExtendMetadata:
     num_tokens: int
 
 
-
 def cdiv(n, d):
     """Ceiling division of a non-negative int or integer tensor ``n`` by a positive ``d``."""
     return (n + d - 1) // d
@@ -124,33 +119,32 @@ def gather_unit(page_size: int, block_size: int) -> int:
 
 
 def aligned_kv_lo(kv_lo, unit: int):
-    """Where a request's first block starts: ``kv_lo`` (an int or an int64 tensor, any shape) rounded down to a
-    multiple of the gather ``unit`` (each run of ``unit`` positions then lies in one page); the fewer than ``unit``
-    positions before ``kv_lo`` are masked."""
+    """Where a request's first block starts: ``kv_lo`` (an int or an int64 tensor) rounded down to a multiple of the
+    gather ``unit``, so each run lies in one page; the positions before ``kv_lo`` are masked."""
     return kv_lo if unit == 1 else kv_lo - kv_lo % unit
 
 
 def decode_blocks_needed(kv_lo: torch.Tensor, kv_hi: torch.Tensor, block_size: int, page_size: int = 1
                          ) -> torch.Tensor:
-    """kv_lo, kv_hi: [bs] int64 -> [bs] int64, the blocks each request's range ``[kv_lo, kv_hi)`` takes (its first
-    block starting at a run boundary); pure tensor code."""
+    """kv_lo, kv_hi: [bs] int64 -> [bs] int64, the blocks each request's range ``[kv_lo, kv_hi)`` takes."""
     start = aligned_kv_lo(kv_lo, gather_unit(page_size, block_size))
     return cdiv((kv_hi - start).clamp_min(0), block_size) * (kv_hi > kv_lo)
 
 
 def total_blocks_needed(kv_lo: Sequence[int] | torch.Tensor, kv_hi: Sequence[int] | torch.Tensor, block_size: int,
                         page_size: int = 1) -> int:
-    """``decode_blocks_needed(...).sum()`` as a Python int, over ranges given as [bs] host tensors (read once) or
-    lists of ints: a plan's and a graph check's count without the ~9 small tensor ops of the tensor form (tens of us
-    at batch 1)."""
+    """``decode_blocks_needed(...).sum()`` as a Python int, over [bs] host tensors (read once) or lists of ints."""
     unit = gather_unit(page_size, block_size)
     if isinstance(kv_lo, torch.Tensor):
         kv_lo, kv_hi = kv_lo.tolist(), kv_hi.tolist()
     if len(kv_lo) == 1 and len(kv_hi) == 1:  # a batch of one, without the list's machinery
-        lo, hi = kv_lo[0], kv_hi[0]
-        return (hi - lo + lo % unit + block_size - 1) // block_size if hi > lo else 0
-    return sum([(hi - lo + lo % unit + block_size - 1) // block_size
-                for lo, hi in zip(kv_lo, kv_hi, strict=True) if hi > lo])
+        return _range_blocks(kv_lo[0], kv_hi[0], unit, block_size)
+    return sum([_range_blocks(lo, hi, unit, block_size) for lo, hi in zip(kv_lo, kv_hi, strict=True)])
+
+
+def _range_blocks(lo: int, hi: int, unit: int, block_size: int) -> int:
+    """``decode_blocks_needed`` of one range ``[lo, hi)`` of Python ints."""
+    return cdiv(hi - lo + lo % unit, block_size) if hi > lo else 0
 
 
 def normalize_window(sliding_window):
@@ -160,21 +154,18 @@ def normalize_window(sliding_window):
 
 def int64_rows(columns: list[list[int]], n: int, device: torch.device) -> list[torch.Tensor]:
     """Columns of Python ints, each padded with zeros to ``n`` entries -> one [n] int64 tensor on ``device`` each:
-    on the host, each made over a buffer of its own (``torch.frombuffer``: half the cost of ``torch.tensor`` and
-    ``unbind`` at batch 1); elsewhere the rows of one tensor, made by one host-to-device copy (where a tensor each
-    costs three times the ops)."""
-    if n > 0 and device.type == "cpu":
-        return [torch.frombuffer(array("q", c if len(c) == n else c + [0] * (n - len(c))), dtype=torch.int64)
-                for c in columns]
+    on the host each over a buffer of its own (``torch.frombuffer``, cheaper than ``torch.tensor``), elsewhere the
+    rows of one tensor made by one host-to-device copy."""
     padded = [c if len(c) == n else c + [0] * (n - len(c)) for c in columns]
+    if n > 0 and device.type == "cpu":
+        return [torch.frombuffer(array("q", c), dtype=torch.int64) for c in padded]
     return list(torch.tensor(padded, dtype=torch.int64, device=device).unbind())
 
 
 @functools.lru_cache(maxsize=512)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``torch.arange(n, device=device)``, made once per length: the plans' ``block_ids`` and ``block_offsets`` are
-    such constants, read and never written, and a fresh one is a tensor op per step (a few us at batch 1). Made
-    outside inference mode (SGLang plans inside it), so a later use outside it, compiled included, may read it."""
+    """``torch.arange(n, device=device)``, made once per length (``block_ids``, ``block_offsets``: read, never
+    written). Made outside inference mode (SGLang plans inside it), so a later use outside it may read it."""
     with torch.inference_mode(False):
         return torch.arange(n, device=device)
 
@@ -198,11 +189,10 @@ def _encoder_values(encoder_lens, is_cross_attn: bool, bs: int, device: torch.de
 
 def decode_kv_range(seq_lens: torch.Tensor, encoder_lens: torch.Tensor, sliding_window: int | None,
                     is_cross_attn: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key positions ``[lo, hi)`` each decode request reads; pure tensor code (host or graph-recorded).
+    """The key positions ``[lo, hi)`` each decode request reads; pure tensor code.
 
-    seq_lens, encoder_lens: [bs] int64 (zeros for decoder-only) -> lo, hi: [bs] int64. Cross-attention reads the
-    encoder tokens ``[0, encoder_len)``; self-attention reads ``[encoder_len, encoder_len + seq_len)``, from
-    ``seq_len - 1 - sliding_window`` on when windowed (the one query sits at ``seq_len - 1``).
+    seq_lens, encoder_lens: [bs] int64 (zeros for decoder-only) -> lo, hi: [bs] int64; windowed, self-attention
+    starts at ``seq_len - 1 - sliding_window`` (the query sits at ``seq_len - 1``).
     """
     if is_cross_attn:
         return torch.zeros_like(encoder_lens), encoder_lens
@@ -214,7 +204,7 @@ def decode_kv_range(seq_lens: torch.Tensor, encoder_lens: torch.Tensor, sliding_
 
 def decode_kv_bounds(seq_lens: list[int], encoder_lens: list[int], sliding_window: int | None,
                      is_cross_attn: bool) -> tuple[list[int], list[int]]:
-    """``decode_kv_range`` on Python ints (the plan's host arithmetic): [bs] lists -> lo, hi: [bs] lists."""
+    """``decode_kv_range`` on Python ints: [bs] lists -> lo, hi: [bs] lists."""
     if is_cross_attn:
         return [0] * len(encoder_lens), encoder_lens
     hi = [e + n for n, e in zip(seq_lens, encoder_lens, strict=True)]
@@ -241,18 +231,13 @@ def plan_decode(
     page_size: int = 1,
 ) -> DecodeMetadata:
     """Validate a decode batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
-    KV blocks of ``block_size`` tokens (defaults: exactly what the batch needs).
-
-    check_slots: check that every req_to_token entry the batch reads is a slot of k_cache (``[0, num_slots)``)
-        and, with ``page_size`` > 1, that the table keeps the page layout; a host read of the used table rows, a
-        sync when the table is on CUDA. Turn it off only where the caller guarantees the table (a serving loop
-        that fills it from its own allocator).
-    page_size: the cache's page size (SGLang's ``--page-size``): a request's positions ``[k * page_size,
-        (k + 1) * page_size)`` are consecutive slots starting at a multiple of ``page_size``. With it > 1 K/V are
-        gathered in runs of ``gcd(page_size, block_size)`` consecutive slots (blocks start at run boundaries).
+    KV blocks of ``block_size`` tokens (defaults: what the batch needs).
 
     q: [bs, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len];
     req_pool_indices, seq_lens (and encoder_lens): [bs]
+    check_slots: check that every req_to_token entry read is a slot of k_cache and, with ``page_size`` > 1, keeps
+        the page layout (a host read; a sync on CUDA). Turn it off only where the caller guarantees the table.
+    page_size: SGLang's ``--page-size``; K/V are gathered in runs of ``gcd(page_size, block_size)`` slots.
     """
     validate.check_qkv(q, k_cache, v_cache)
     if q.shape[0] == 1 and encoder_lens is None and not is_cross_attn:
@@ -293,10 +278,9 @@ def _host_index(t, ndim: int) -> bool:
 
 def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, sliding_window, block_size: int,
                       page_size: int, batch_capacity, block_capacity, check_slots: bool) -> DecodeMetadata | None:
-    """``plan_decode`` of a batch of one decoder-only request on the host (q checked), the same checks in their
-    passing form: None where any would fail, or an input is unusual, for the general form to run (and name the
-    error). Why: the general form's helpers and lists cost more than its tensor ops at batch 1 (~40 us of ~90),
-    and more still where the step's other work has left the caches cold (the first layer of an SGLang step)."""
+    """``plan_decode`` of one decoder-only request on the host (q checked), the same checks in their passing form:
+    None where any would fail, or an input is unusual, for the general form to run (and name the error). Why: at
+    batch 1 the general form's helpers and lists cost more than its tensor ops."""
     if not (q.is_cpu and _host_index(req_to_token, 2) and _host_index(req_pool_indices, 1)
             and _host_index(seq_lens, 1) and req_pool_indices.shape[0] == 1 and seq_lens.shape[0] == 1):
         return None
@@ -310,13 +294,14 @@ def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, slid
     if not (0 <= row < max_reqs and 0 <= n <= width):
         return None
     lo = 0 if window is None else max(n - 1 - window, 0)  # decode_kv_bounds
-    start = lo if page_size == 1 else lo - lo % gather_unit(page_size, block_size)
+    unit = gather_unit(page_size, block_size)
+    start = aligned_kv_lo(lo, unit)
     if check_slots and n > start:  # validate.check_slots, check_page_layout
         slots = validate.host_row(req_to_token, row, start, n)
         if slots is None or not validate.slots_fit(slots, k_cache.shape[0]) or (
                 page_size > 1 and not validate.row_keeps_pages(slots, start, page_size)):
             return None
-    needed = (n - start + block_size - 1) // block_size if n > lo else 0  # total_blocks_needed
+    needed = _range_blocks(lo, n, unit, block_size)
     bs_cap = 1 if batch_capacity is None else check_capacity("batch_capacity", batch_capacity, 1)
     nblk = max(needed, 1) if block_capacity is None else check_capacity("block_capacity", block_capacity, needed)
     if bs_cap == 1:  # int64_rows
@@ -345,13 +330,10 @@ def plan_extend(
     check_slots: bool = True,
     page_size: int = 1,
 ) -> ExtendMetadata:
-    """Validate an extend (prefill) batch and build its metadata (per-request ranges, padded to ``batch_capacity``
-    rows; ``extend.plan_extend_tiles`` cuts it into tiles).
+    """Validate an extend (prefill) batch and build its metadata, padded to ``batch_capacity`` rows.
 
-    q: [num_tokens, Hq, Dqk] packed in request order; request i's queries are positions
-    ``[extend_prefix_lens[i], seq_lens[i])`` of its self-attention range.
-    check_slots, page_size: as in ``plan_decode`` (the tiles gather token by token: extend is bound by compute,
-    not by the gather, so a page size only adds the layout check).
+    q: [num_tokens, Hq, Dqk] packed in request order, request i's queries at ``[extend_prefix_lens[i], seq_lens[i])``;
+    check_slots, page_size: as in ``plan_decode`` (extend gathers token by token: a page size only adds the check).
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("page_size", page_size)

@@ -1,8 +1,7 @@
 """Host-side input checks for ``plan``: clear errors naming the argument and the limit.
 
-These run once per step, outside the compiled hot path, so they may read small ``[bs]`` tensors on the host. The
-per-request checks take ``[bs]`` host tensors or lists of Python ints: a plan that already holds the values as ints
-checks a batch of one with a few Python comparisons instead of a dozen small tensor ops.
+They run once per step, outside the compiled hot path; per-request checks take ``[bs]`` host tensors or lists of
+Python ints (a batch of one is then a few Python comparisons).
 """
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ def check_tensor(name: str, t, ndim: int, dtypes: tuple, device: torch.device | 
 
 
 def check_index_rows(q: torch.Tensor, index_rows: int, tokens: int = 1) -> None:
-    """q's rows are the index's batch rows (``index_rows``: its inputs' ``req_rows`` length) times ``tokens``
-    (verify's draft tokens): a mismatch would read queries past q's end or keys of rows it does not have."""
+    """q's rows are the index's batch rows times ``tokens`` (verify's draft tokens): a mismatch would read past
+    q's end or keys of rows it does not have."""
     if q.shape[0] != index_rows * tokens:
         per = f" x {tokens} draft tokens" if tokens != 1 else ""
         raise ValueError(f"q has {q.shape[0]} rows, but the index was built for a batch of {index_rows}{per}: build "
@@ -83,25 +82,13 @@ def _check_vector(name: str, t: torch.Tensor, bs: int, device: torch.device) -> 
         raise ValueError(f"{name} must have shape [{bs}] (the batch size), got {tuple(t.shape)}")
 
 
-def _check_lengths(name: str, values: list[int]) -> list[int]:
-    low = min(values, default=0)
-    if low < 0:
-        raise ValueError(f"{name} must be >= 0, got min {low}")
-    return values
-
-
 def length_values(name: str, t: torch.Tensor, bs: int, device: torch.device) -> list[int]:
     """Check a ``[bs]`` integer tensor of lengths (on ``device``, each >= 0); return its values as Python ints."""
     _check_vector(name, t, bs, device)
-    return _check_lengths(name, t.tolist())  # one host read (a sync on CUDA)
-
-
-def _check_rows(values: list[int], max_reqs: int) -> list[int]:
-    if values:
-        low, high = min(values), max(values)
-        if low < 0 or high >= max_reqs:
-            raise ValueError(f"req_pool_indices must lie in [0, {max_reqs}) (rows of req_to_token), "
-                             f"got range [{low}, {high}]")
+    values = t.tolist()  # one host read (a sync on CUDA)
+    low = min(values, default=0)
+    if low < 0:
+        raise ValueError(f"{name} must be >= 0, got min {low}")
     return values
 
 
@@ -111,7 +98,13 @@ def table_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bs: i
     return the rows as Python ints."""
     check_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, device)
     _check_vector("req_pool_indices", req_pool_indices, bs, device)
-    return _check_rows(req_pool_indices.tolist(), req_to_token.shape[0])
+    values, max_reqs = req_pool_indices.tolist(), req_to_token.shape[0]
+    if values:
+        low, high = min(values), max(values)
+        if low < 0 or high >= max_reqs:
+            raise ValueError(f"req_pool_indices must lie in [0, {max_reqs}) (rows of req_to_token), "
+                             f"got range [{low}, {high}]")
+    return values
 
 
 def _values(t: Ints) -> Sequence[int]:
@@ -124,8 +117,8 @@ def _host_tensor(t: Ints) -> torch.Tensor:
 
 def host_row(table: torch.Tensor, row: int, lo: int, hi: int) -> np.ndarray | None:
     """``table[row, lo:hi]`` of a 2-D CPU tensor as a numpy view (``hi`` clipped to the width), or None where the
-    row or ``lo`` lies outside the table or the table is not on the host. Why numpy: the checks of a batch of one
-    are a few reductions over a few thousand ints, where a numpy op costs about 1 us and a torch op 3 to 5."""
+    row or ``lo`` lies outside the table or the table is not on the host. Why numpy: a numpy op costs a fraction
+    of a torch op on the few small reductions a batch of one needs."""
     if not (table.is_cpu and 0 <= row < table.shape[0] and 0 <= lo) or table.requires_grad:
         return None
     return table.numpy()[row, lo:hi]
@@ -137,9 +130,8 @@ def slots_fit(slots: np.ndarray, num_slots: int) -> bool:
 
 
 def row_keeps_pages(slots: np.ndarray, lo: int, page_size: int) -> bool:
-    """The slots of positions ``[lo, lo + len(slots))`` keep ``check_page_layout``'s layout: position ``p``'s slot
-    minus ``p`` is a multiple of ``page_size`` (its offset in a page is ``p``'s), the same for every position of a
-    page (a page's slots are consecutive)."""
+    """The slots of positions ``[lo, lo + len(slots))`` keep ``check_page_layout``'s layout: slot minus position is
+    a multiple of ``page_size``, the same for every position of a page."""
     if slots.size < 1:
         return True
     shift = slots - np.arange(lo, lo + slots.size, dtype=slots.dtype)
@@ -166,9 +158,8 @@ def check_window_and_cap(sliding_window, logit_cap) -> None:
 
 
 def check_positive_number(name: str, value) -> float:
-    """A finite real number > 0 (a bool is refused: ``True`` as a scale is a bug); returned as a float.
-
-    NaN or inf here gives an all-NaN output with no error further down, so it is refused up front."""
+    """A finite real number > 0 (a bool is refused); returned as a float. NaN or inf would give an all-NaN output
+    with no error further down."""
     if type(value) is float and math.isfinite(value) and value > 0:  # the common case, without the ABC check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -179,8 +170,7 @@ def check_positive_number(name: str, value) -> float:
 
 
 def check_scales(k_scale, v_scale) -> None:
-    """The KV dequantisation scales: each a finite number > 0, or None (1). They dequantise float8 caches; on a
-    float32/bf16/fp16 cache they are still applied (a cache stored scaled)."""
+    """The KV dequantisation scales: each a finite number > 0, or None (1); applied to any cache dtype."""
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None:
             check_positive_number(name, scale)
@@ -203,15 +193,12 @@ def check_growth(name: str, value) -> float:
 
 def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_slots: int) -> None:
     """Every entry a batch reads, positions ``[lo[i], hi[i])`` of row ``rows[i]``, must be a slot in
-    ``[0, num_slots)``. Out-of-range indices would otherwise wrap (a -1 reads the last slot) or fault the device.
-
-    rows, lo, hi: [bs] int64 on the host, or lists of ints. Reads the used part of the table: a host sync when it
-    lives on CUDA (``plan_*(check_slots=False)`` skips it)."""
+    ``[0, num_slots)``: out-of-range indices would wrap (a -1 reads the last slot) or fault the device.
+    rows, lo, hi: [bs] int64 on the host, or lists of ints. Reads the used table rows (a sync on CUDA)."""
     width = max(_values(hi), default=0)
     if len(rows) == 0 or width <= 0:
         return
-    # the common case first: a batch of one on the host in two numpy reductions, else the table's least and
-    # greatest entry (or stale but in the rows read) in one op
+    # the common case first: a batch of one on the host in numpy, else the rows' least and greatest entry
     table = None  # [bs, width], the rows read
     if len(rows) == 1:
         one = host_row(req_to_token, int(rows[0]), int(lo[0]), width)
@@ -237,11 +224,9 @@ def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_
 
 
 def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, page_size: int) -> None:
-    """A paged table: positions ``[lo[i], hi[i])`` of row ``rows[i]`` sit in pages of ``page_size`` consecutive
-    slots starting at a multiple of ``page_size``, position ``p`` at offset ``p % page_size`` of its page (SGLang's
-    paged allocator). The page gathers read whole runs of slots, so a table that breaks this would read other
-    requests' keys. rows, lo, hi: [bs] int64 on the host, or lists of ints; a host read of the used table rows, as
-    ``check_slots``."""
+    """A paged table (SGLang's allocator): positions ``[lo[i], hi[i])`` of row ``rows[i]`` sit in pages of
+    ``page_size`` consecutive slots, position ``p`` at offset ``p % page_size``; the page gathers read whole runs,
+    so a table that breaks this would read other requests' keys. rows, lo, hi: as ``check_slots``."""
     if page_size == 1:
         return
     width = max(_values(hi), default=0)

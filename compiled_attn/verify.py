@@ -1,15 +1,8 @@
 """Multi-token decode ("verify") for speculative decoding: ``k`` draft tokens per request over its cached prefix.
 
-Request b's ``k`` queries (their K/V already written at positions ``[prefix_len, prefix_len + k)``) see the whole
-prefix and, among the draft keys, the causal chain or what SGLang's tree mask allows. Verify is bound by reading
-the prefix, so the prefix is cut into decode's split-KV blocks (``build_decode_index``) and each block is read once
-for all ``k`` queries, grouped ``[Hkv, k * group, D]``; the draft keys form one small masked block per request,
-merged with the prefix blocks by log-sum-exp. The forms are decode's (``forms.choose_form``): the C++ kernel on CPU
-(prefix and draft block in one call), the Triton kernel on CUDA, else the matmul form. After ``plan_verify``
-(``verify_plan``) everything is tensor code with static shapes per (batch capacity, ``k``, block capacity).
-
-Sliding-window layers: each draft token's window starts at its own position, so the prefix blocks cover only what
-every token sees and the few keys below them join the draft block under a per-row mask (``build_verify_index``).
+Request b's ``k`` queries see the whole prefix and, among the draft keys, the chain or SGLang's tree mask. The
+prefix is cut into decode's split-KV blocks, each read once for all ``k`` queries (grouped ``[Hkv, k * group, D]``);
+the draft keys form one small masked block per request, merged by log-sum-exp. Forms as decode's.
 """
 from __future__ import annotations
 
@@ -53,13 +46,11 @@ __all__ = ["VerifyIndex", "VerifyInputs", "VerifyMetadata",
 class VerifyIndex:
     """Per-step index shared by every layer of one window (``build_verify_index``).
 
-    prefix:      the prefix's split-KV blocks (``decode.DecodeIndex`` over ``[lo, prefix_len)``: lo 0, or under a
-                 sliding window the start that every draft token's window covers)
+    prefix:      the prefix's split-KV blocks (``decode.DecodeIndex`` over ``[lo, prefix_len)``; lo 0 unwindowed)
     draft_slots: [bs_cap, e + k] int64, KV slot of each key of the small masked block: the ``e`` edge keys just
                  below ``lo`` (``k - 1 + unit - 1`` under a window, else none), then the ``k`` draft keys
     draft_mask:  [bs_cap, k, e + k] bool, query ``i`` sees that key
-    inputs:      what the index was built from (a windowed layer's index is built from the same inputs); built with
-                 a ``slot_map``: the inputs over its table of translated slots (``prefix.req_to_token``)
+    inputs:      what the index was built from (with a ``slot_map``: over ``prefix.req_to_token``)
     sliding_window: the layer's window it was built for, or None
     """
 
@@ -76,18 +67,11 @@ def build_verify_index(req_to_token: torch.Tensor, inputs: VerifyInputs, page_si
     """The prefix blocks (``build_decode_index``, ``host_form`` as there) and the masked block's slots; pure tensor
     code. req_to_token: [max_reqs, max_context_len]; inputs: ``plan_verify(...).inputs`` or static buffers.
 
-    sliding_window ``w``: draft token ``i`` sits at ``prefix_len + depth_i`` (its depth in the chain or tree: the
-    draft keys its mask row shows, less one) and sees keys from ``prefix_len + depth_i - w`` on, as a decode query
-    does. The prefix blocks cover ``[lo, prefix_len)`` (``window_start``: from the deepest possible token's start,
-    rounded up to a page run), which every token sees whole; the ``k - 1 + unit - 1`` positions below ``lo`` join
-    the draft keys in the small masked block, each row seeing those inside its window. So the shapes stay those of
-    the batch (that many more keys), graph-ready, and every prefix form reads the blocks as it does without a
-    window (their valid keys one run from the first block's start).
-
-    slot_map: every slot translated (``decode.translate_slots``: SGLang's hybrid sliding-window pool), an edge key
-    that no row sees read as the row's first draft key (a position the pool may have freed from the window is
-    never gathered), and the Triton form's table (``prefix.req_to_token``, with ``inputs`` over it) the translated
-    slots of each row's positions from ``prefix_len - w`` on (``w + k`` of them; every position without a window)."""
+    sliding_window ``w``: draft token ``i`` (at ``prefix_len + depth_i``) sees keys from ``prefix_len + depth_i - w``
+    on. The prefix blocks cover ``[lo, prefix_len)`` (``window_start``), which every token sees; the ``k - 1 + unit
+    - 1`` positions below ``lo`` join the masked block under a per-row mask, so the shapes stay static.
+    slot_map: every slot translated (``decode.translate_slots``); an edge key no row sees reads the row's first
+    draft key, and the Triton form's table holds the translated slots from ``prefix_len - w`` on."""
     rows, prefix, block_ids, block_offsets, mask = inputs
     k = mask.shape[1]
     draft_pos = prefix[:, None] + torch.arange(k, device=prefix.device)  # [bs, k]
@@ -136,9 +120,8 @@ def verify_blocks(
 ) -> torch.Tensor:
     """Attention of ``k`` queries per request over its prefix blocks and its draft block.
 
-    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, scales, sinks ([Hq]
-    attention-sink logits) and ``form``: as ``decode.decode_blocks``'.
-    Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
+    q: [bs * k, Hq, Dqk] (bs: the index's batch capacity); caches, ``v_shares_k``, scales, sinks and ``form``: as
+    ``decode.decode_blocks``'. Returns [bs * k, Hq, Dv] in q.dtype; softmax and accumulation in float32.
     """
     bs, k = index.draft_mask.shape[:2]
     hq, hkv, dv = q.shape[1], k_cache.shape[1], v_cache.shape[2]
@@ -150,7 +133,7 @@ def verify_blocks(
     rows = k * hq // hkv
     choice = choose_form("verify", q, k_cache, v_cache, rows_per_kv_head=rows, form=form)
     explain("verify_blocks", choice, q, k_cache, v_cache, rows)
-    if choice.form == "triton":  # prefix and draft keys in one kernel, each request's blocks up to its length
+    if choice.form == "triton":  # prefix and draft keys in one kernel
         return triton_verify_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),
                                     sinks)
     # a request's k queries share its KV head's blocks: grouped [bs, Hkv, k * group, D], row i * group + g draft
@@ -158,7 +141,7 @@ def verify_blocks(
     row_sinks = None if sinks is None else sinks_by_kv_head(sinks, hkv, hq).repeat(1, k)  # [Hkv, k * group]
     if choice.form == "kernel":  # the prefix blocks and the draft block, merged, in one call of the kernel
         p = index.prefix
-        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
+        ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's
         return native_decode_blocks(q, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache, ks * scale, vs,
                                     logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
                                     index.draft_slots, index.draft_mask, k, path=choice.path)
@@ -172,9 +155,8 @@ def verify_blocks(
 
 
 def _draft_block(qg, k_cache, v_cache, index: VerifyIndex, scale, logit_cap, v_shares_k, k_scale, v_scale):
-    """Each request's ``k`` queries over its masked block (the ``k`` draft keys under the chain/tree mask, after a
-    window's edge keys: a tiny matmul) -> (m, lsum, o) of shapes [bs, Hkv, k * group(, Dv)], o unnormalised,
-    float32. (Where the C++ kernel reads the prefix it computes this block too: ``native_decode_blocks``.)"""
+    """Each request's ``k`` queries over its masked block (a window's edge keys, then the draft keys) -> (m, lsum, o)
+    of shapes [bs, Hkv, k * group(, Dv)], o unnormalised, float32."""
     bs, hkv, rows, dqk = qg.shape
     k, nk, dv = index.draft_mask.shape[1], index.draft_mask.shape[2], v_cache.shape[2]
     slots = index.draft_slots
@@ -199,10 +181,8 @@ def verify_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
                      k_scale=None, v_scale=None, sinks=None, sliding_window=None, form="auto") -> torch.Tensor:
     """Verify attention in one call: ``plan_verify`` + ``build_verify_index`` + ``verify_blocks``.
 
-    q: [bs * k, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv] (may be a view of k_cache: MLA);
-    req_to_token: [max_reqs, max_context_len]; req_pool_indices, prefix_lens: [bs]; draft_len: k; custom_mask:
-    None (chain) or SGLang's flat tree mask in ``mask_layout``; sliding_window: each draft token's window as a
-    decode query's, from its own position. Returns [bs * k, Hq, Dv] in q.dtype.
+    Arguments as ``plan_verify``'s and ``api.decode_attention``'s (sliding_window: each draft token's window as a
+    decode query's, from its own position). Returns [bs * k, Hq, Dv] in q.dtype.
     """
     validate.check_window_and_cap(sliding_window, logit_cap)
     validate.check_scales(k_scale, v_scale)

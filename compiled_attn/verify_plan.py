@@ -1,18 +1,10 @@
-"""Planning a verify batch (``verify``'s host side): validate it and build its static-shape step inputs.
+"""Planning a verify batch (``verify``'s host side), and the draft-token masks: the chain and SGLang's tree masks.
 
-``plan_verify`` checks the batch (queries, table, prefix lengths, custom mask, slots, page layout) on the host and
-pads it to its capacities; ``verify_block_size`` picks the prefix block length; ``window_start`` is where a
-sliding-window layer's prefix blocks begin. Everything the step then runs is ``verify``'s tensor code.
-
-The draft-token masks of speculative verify: the chain, and SGLang's flat tree masks.
-
-Custom mask layouts (SGLang 0.5.23, ``speculative.eagle_utils.TreeMaskMode``), flat bool (or int8/uint8):
+Custom mask layouts (SGLang's ``TreeMaskMode``), flat bool (or int8/uint8):
   * ``"draft"`` (QLEN_ONLY, SGLang's default on CPU): per request a ``[k, k]`` row-major block, concatenated:
     ``mask[b * k * k + i * k + j]``: query ``i`` of request ``b`` sees draft key ``j``.
-  * ``"full"`` (FULL_MASK, the GPU kernels' layout): per request a ``[k, prefix_len + k]`` row-major block,
-    concatenated: request ``b`` starts at ``sum_{c < b} k * (prefix_c + k)``; its draft columns are
-    ``prefix_b + j``. As SGLang's triton extend kernel (``skip_prefix_custom_mask=True``), the prefix columns are
-    not read: the prefix is always fully visible.
+  * ``"full"`` (FULL_MASK): per request a ``[k, prefix_len + k]`` row-major block, concatenated; its draft columns
+    are ``prefix_b + j``. The prefix columns are not read (as SGLang's ``skip_prefix_custom_mask=True``).
 """
 from __future__ import annotations
 
@@ -50,8 +42,7 @@ class VerifyInputs(NamedTuple):
 
 @dataclass
 class VerifyMetadata:
-    """A planned verify batch: its step inputs and what the host knows (``num_real`` rows, ``k`` draft tokens, the
-    prefix blocks its rows take, the page size and sliding window they were counted for: ``prefix_blocks_needed``)."""
+    """A planned verify batch: its step inputs, ``num_real`` rows, ``k`` draft tokens and ``prefix_blocks_needed``."""
 
     inputs: VerifyInputs
     num_real: int
@@ -61,18 +52,14 @@ class VerifyMetadata:
     sliding_window: int | None = None
 
 
-#: the longest prefix block on CPU: the kernel's tile path keeps a block's scores and bf16 weights per thread (1.5
-#: KB a position at k = 8), which past 256 positions crowd the K/V stream out of L2, and a batch of one or two
-#: requests needs blocks enough for every thread (the kernel folds a row's blocks, so shorter ones cost little)
+#: the longest prefix block on CPU: its per-thread scratch would crowd K/V out of L2; small batches need more blocks
 CPU_MAX_VERIFY_BLOCK = 128
 
 
 def verify_block_size(draft_len: int, device: torch.device | str | None = None) -> int:
     """Prefix block length for ``k`` draft tokens: ``64 * k`` within [64, 512] (on a CPU ``device``, at most
-    ``CPU_MAX_VERIFY_BLOCK``). In the matmul form each block carries a copy of its request's ``k * Hq`` query rows
-    and returns as many output rows, a quarter of the K/V bytes at k = 8 with 64-token blocks; longer blocks keep
-    that small. The CPU kernel folds a request's blocks as it reads them, so there a block's length sizes only the
-    index and the per-thread scratch of one block."""
+    ``CPU_MAX_VERIFY_BLOCK``). Why: the matmul form copies a request's ``k * Hq`` query rows per block; longer
+    blocks keep that copy small."""
     longest = CPU_MAX_VERIFY_BLOCK if device is not None and torch.device(device).type == "cpu" else 512
     return min(longest, max(DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE * draft_len))
 
@@ -96,15 +83,12 @@ def plan_verify(
     sliding_window: int | None = None,
 ) -> VerifyMetadata:
     """Validate a verify batch and build its metadata, padded to ``batch_capacity`` rows and ``block_capacity``
-    prefix blocks of ``block_size`` tokens (defaults: what the batch needs).
+    prefix blocks of ``block_size`` tokens (defaults: what the batch needs; ``verify_block_size``).
 
-    q: [bs * k, Hq, Dqk], request b's queries at rows ``[b * k, (b + 1) * k)``; k_cache: [S, Hkv, Dqk];
-    v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len]; req_pool_indices, prefix_lens: [bs];
-    draft_len: k (int >= 1); custom_mask: None (chain) or flat bool/int8/uint8 of exactly the ``mask_layout``'s size
-    (``"draft"``: ``bs * k * k``; ``"full"``: ``k * sum(prefix_lens) + bs * k * k``; see the module docstring).
-    block_size: prefix block length (default ``verify_block_size(draft_len, q.device)``);
-    check_slots, page_size: as ``plan_decode`` (the checked range is ``[0, prefix_len + k)``);
-    sliding_window: as ``build_verify_index`` (sizes the prefix blocks: those of its shorter range).
+    q: [bs * k, Hq, Dqk], request b's queries at rows ``[b * k, (b + 1) * k)``; caches and table as ``plan_decode``;
+    req_pool_indices, prefix_lens: [bs]; draft_len: k (int >= 1); custom_mask: None (chain) or a flat mask of exactly
+    the ``mask_layout``'s size (``mask_numel``); check_slots, page_size: as ``plan_decode`` (over
+    ``[0, prefix_len + k)``); sliding_window: as ``build_verify_index`` (sizes the prefix blocks).
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("draft_len", draft_len)
@@ -145,17 +129,15 @@ def plan_verify(
 
 def prefix_blocks_needed(prefix_lens: torch.Tensor, k: int, block_size: int, page_size: int,
                          sliding_window: int | None) -> int:
-    """The prefix blocks a batch's rows take (``prefix_lens``: [bs] int64 on the host): from position 0, or under a
-    sliding window from ``window_start``, to ``prefix_len``."""
+    """The prefix blocks a batch's rows take (``prefix_lens``: [bs] int64 on the host), from 0 or ``window_start``."""
     lo = torch.zeros_like(prefix_lens) if sliding_window is None else window_start(
         prefix_lens, k, sliding_window, gather_unit(page_size, block_size))
     return total_blocks_needed(lo, prefix_lens, block_size, page_size)
 
 
 def window_start(prefix: torch.Tensor, k: int, window: int, unit: int) -> torch.Tensor:
-    """[bs] where a windowed verify's prefix blocks start: the deepest draft token's first visible position
-    (``prefix + k - 1 - window``, at least 0), rounded up to a multiple of the gather ``unit`` (so the blocks hold
-    only keys every token sees, from a run boundary on), at most ``prefix``. Pure tensor code."""
+    """[bs] where a windowed verify's prefix blocks start: the deepest draft token's first visible position, rounded
+    up to a multiple of the gather ``unit`` (keys every token sees, from a run boundary), at most ``prefix``."""
     first = (prefix + (k - 1 - window)).clamp_min(0)
     return torch.minimum(cdiv(first, unit) * unit, prefix)
 
@@ -198,7 +180,7 @@ def mask_numel(prefix_lens: torch.Tensor, k: int, layout: str) -> int:
 def check_custom_mask(custom_mask: torch.Tensor, prefix_lens: torch.Tensor, k: int, layout: str,
                       device: torch.device) -> None:
     """A batch's custom mask: flat, a mask dtype, on ``device``, exactly ``mask_numel`` elements (a wrong size
-    would read another request's rows); TypeError/ValueError naming ``custom_mask`` and the rule otherwise."""
+    would read another request's rows); TypeError/ValueError otherwise."""
     validate.check_tensor("custom_mask", custom_mask, 1, MASK_DTYPES, device)
     want = mask_numel(prefix_lens, k, layout)
     if custom_mask.numel() != want:

@@ -1,14 +1,8 @@
 """Bucketed decode steps: compile once, capture a CUDA graph per bucket, warm everything before serving.
 
-A decode step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of
-``DecodeInputs`` (``DecodeInputs.of(inputs)`` picks them) plus the caller's per-row inputs (token ids, positions,
-output slots, ...), and whose ``persistent`` tensors are the KV caches and the request table. The step is
-compiled once (``compile_policy``: dynamic sizes) and each bucket is then captured (CUDA) or replayed on its
-static buffers (CPU).
-The graph key is the batch-size bucket *and* a KV-block-capacity bucket, so a captured step's work follows the
-batch's real lengths, not the table width. The switches mean what they mean in SGLang:
-``enable_torch_compile``, ``torch_compile_max_bs`` (larger buckets run uncompiled, still captured on CUDA),
-``cuda_graph_bs`` (the batch buckets), ``disable_cuda_graph``.
+A step is any ``step_fn(inputs, persistent)``: ``inputs`` the fields of ``DecodeInputs`` plus per-row inputs,
+``persistent`` the KV caches and ``req_to_token``. The key is the batch bucket *and* a KV-block-capacity bucket, so
+a step's work follows the batch's real lengths. The switches mean what they mean in SGLang.
 """
 from __future__ import annotations
 
@@ -53,7 +47,6 @@ class GraphConfig:
     measure_compile: bool = True
 
     def __post_init__(self):
-        # every field checked here, so a bad value names itself instead of failing inside the bucket maths
         for name in ("max_batch_size", "max_kv_tokens", "torch_compile_max_bs", "block_size", "min_kv_tokens"):
             validate.check_positive_int(f"GraphConfig.{name}", getattr(self, name))
         for name in ("max_context_len", "warmup_iters"):
@@ -86,9 +79,8 @@ def check_config(config: GraphConfig) -> BucketPolicy:
 
 
 def warmup_width(persistent: Mapping[str, torch.Tensor], max_context_len: int | None) -> int:
-    """The most keys one request of a warm-up batch reads: the width of ``persistent["req_to_token"]`` (the table
-    every step indexes), bounded by ``max_context_len`` when set. ValueError when the table is missing or not a
-    2-D table of at least one column."""
+    """The most keys one request of a warm-up batch reads: the width of ``persistent["req_to_token"]``, bounded by
+    ``max_context_len`` when set. ValueError when the table is missing or not 2-D with a column or more."""
     table = persistent.get("req_to_token")
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < 1:
         raise ValueError(f"persistent must hold 'req_to_token' ([max_reqs, max_context_len] int tensor), the "
@@ -98,8 +90,7 @@ def warmup_width(persistent: Mapping[str, torch.Tensor], max_context_len: int | 
 
 
 def reachable_keys(config: GraphConfig, policy: BucketPolicy) -> list[tuple[int, int]]:
-    """The policy's ``(bs, kv)`` keys some batch can need (each row reads <= max_context_len tokens, rounded up to
-    whole blocks); e.g. one request never fills a 32k-token bucket of an 8k-context model."""
+    """The policy's ``(bs, kv)`` keys some batch can need (each row reads <= max_context_len tokens, in blocks)."""
     if config.max_context_len is None:
         return list(policy.keys())
     row = cdiv(config.max_context_len, config.block_size) * config.block_size
@@ -110,15 +101,10 @@ def reachable_keys(config: GraphConfig, policy: BucketPolicy) -> list[tuple[int,
 class DecodeGraphs(BucketedGraphs):
     """Warm-up and replay of a decode step over (batch bucket, KV-token bucket) keys.
 
-    ``run`` takes the real batch's ``DecodeMetadata`` (planned without padding) and per-row inputs, picks the
-    smallest bucket that holds both, copies the rows into its static buffers and replays. A batch beyond the
-    largest bucket runs the step without a graph (warned once).
-
-    check_slots: before each replay, check that the batch's slot inputs (``RowInput(slots=True)``) and, unless
-        plan already did (``meta.slots_checked``), the req_to_token entries it reads are slots of the caches
-        (``cache_slots``): inside a replay an out-of-range index wraps or faults; and that the metadata's
-        ``blocks_needed`` covers its ranges (a hand-built one too small would drop keys). A host read (a sync on
-        CUDA).
+    ``run`` takes the real batch's ``DecodeMetadata`` (planned without padding) and per-row inputs, copies them into
+    the smallest bucket that holds them and replays (without a graph beyond the largest: warned once).
+    check_slots: before each replay, check the slot inputs (``RowInput(slots=True)``), the req_to_token entries
+        read (unless ``meta.slots_checked``) and that ``blocks_needed`` covers the ranges (a host read).
     """
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, device: torch.device | str,
@@ -134,8 +120,7 @@ class DecodeGraphs(BucketedGraphs):
         self._build_runners(reachable_keys(config, self.policy), config.torch_compile_max_bs)
 
     def _eager_step(self, inputs: dict[str, torch.Tensor], persistent: dict[str, torch.Tensor]):
-        """The uncompiled step as a bucket's eager form: a one-row bucket's padding row, there for the compiled
-        step only, is dropped, so the eager step runs its batch-of-one path (``build_decode_index``'s host form)."""
+        """The uncompiled step, a one-row bucket's padding row dropped (so it runs the batch-of-one path)."""
         if id(inputs) in self._padded_one_row:
             batched = (*ROW_FIELDS, *self.row_inputs)
             inputs = {name: t[:1] if name in batched else t for name, t in inputs.items()}
@@ -144,8 +129,7 @@ class DecodeGraphs(BucketedGraphs):
     def _buffer_specs(self, key: tuple[int, int]) -> dict[str, BufferSpec]:
         bs, kv_tokens = key
         # A compiled step never sees a batch of one row: dynamo specializes a size of 1, so a one-row bucket would
-        # compile a second graph at start-up (4-10 s for bench-step's 4 layers) to save one padding row, which has
-        # an empty KV range (no attention work) and costs little in weight-bound projections.
+        # compile a second graph to save one cheap padding row.
         compiles = self._compiled is not None and bs <= self.config.torch_compile_max_bs
         rows = max(bs, MIN_COMPILED_ROWS) if compiles else bs
         specs = {name: BufferSpec((rows,), torch.int64, fill=0) for name in ROW_FIELDS}
@@ -163,9 +147,7 @@ class DecodeGraphs(BucketedGraphs):
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: tuple[int, int]) -> None:
         """CPU: warm a bucket on a batch that does its full work, every row reading request row 0 over an equal
-        share of the bucket's blocks (new K/V still go to the padding slot; outputs are discarded). On an all-padding
-        batch the CPU decode kernel skips all work, and the first real step paid its first-call costs instead
-        (``bench-step`` shows it as the first step / median ratio)."""
+        share of the bucket's blocks (outputs discarded): on an all-padding batch the kernel skips all work."""
         if self.device.type != "cpu":
             return
         bs, kv_tokens = key
@@ -209,8 +191,7 @@ class DecodeGraphs(BucketedGraphs):
         key = self.key_for(meta)
         inputs = self.inputs_for(meta, rows, key)
         if key in self._eager_keys:
-            # the bucket replays the eager step (measured faster at warm-up): nothing is replayed from its buffers,
-            # so the step runs on the real rows, without the copy into them or their padding rows
+            # the bucket replays the eager step (measured faster at warm-up): run it on the real rows, uncopied
             runner = self._runner_of[key]
             runner.buffers(key).check(inputs)
             runner.stats.replays += 1  # served by its bucket, as a replay is

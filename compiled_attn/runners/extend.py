@@ -1,17 +1,7 @@
 """Bucketed extend (prefill) steps: padded to a (token bucket, pair bucket), compiled once, warmed before serving.
 
-An extend step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of
-``ExtendTileInputs`` (the tiled extend's pair list, ``extend.plan_extend_tiles``) plus the caller's per-token inputs
-(the packed queries, or token ids, positions and output slots), and whose ``persistent`` tensors are the KV caches
-and ``req_to_token``. ``ExtendGraphs.run`` pads the per-token inputs to a token bucket and the pair list to a pair
-bucket. Padded tokens belong to no pair (no tile reads them as queries), so they compute nothing and their output
-rows are sliced off; padded pairs have no query and no key. Every batch of one bucket then has the same shapes: the
-step compiles once (``compile_policy``: ``fullgraph=True``) and replays without a recompile, as a captured CUDA
-graph per bucket on CUDA, and on CPU as the compiled (or, where measured faster, the eager) step on the bucket's
-static buffers (``graphs.BucketedGraphs``).
-
-Why the key is the token bucket *and* the pair bucket: a batch's pairs do not follow from its token count (one new
-token over a 4k-token prefix needs 64 pairs of 64 keys; 64 new tokens of a fresh prompt need one).
+A step's ``inputs`` hold the fields of ``ExtendTileInputs`` plus per-token inputs; padded tokens and pairs compute
+nothing. The key has both buckets because a batch's pairs do not follow from its token count.
 """
 from __future__ import annotations
 
@@ -54,12 +44,10 @@ class ExtendKey(NamedTuple):
 class ExtendGraphConfig:
     """Bucket ranges and SGLang-style switches of ``ExtendGraphs``.
 
-    Buckets are geometric (``graphs.kv_capacities``: multiples of 64 from ``min_*`` by ``*_growth``, ending exactly
-    at ``max_*``). max_tokens: most new tokens of one batch. max_pairs: the largest pair bucket; None: the most a
-    batch of ``max_tokens`` tokens can need (``pair_bound``). max_context_len: most keys one request reads (None:
-    taken as max_tokens); max_requests: most requests of one batch. With them, buckets no batch can reach are
-    skipped. tile_q, tile_k: the tiles the plan cuts (tile_q None: ``extend.default_tile_q`` of the device's form,
-    256 on CPU where the flash form runs, 64 elsewhere); the step must build its index for the same form.
+    Buckets are geometric (``graphs.kv_capacities``, from ``min_*`` by ``*_growth`` to ``max_*``). max_tokens: most
+    new tokens of one batch. max_pairs: the largest pair bucket (None: ``pair_bound`` of max_tokens).
+    max_context_len (None: max_tokens), max_requests: per request and per batch, to skip buckets no batch reaches.
+    tile_q, tile_k: the tiles the plan cuts (tile_q None: ``extend.default_tile_q`` of the device's form).
     """
 
     max_tokens: int = 8192
@@ -77,8 +65,7 @@ class ExtendGraphConfig:
     disable_cuda_graph: bool = False
     warmup_iters: int | None = None
     progress: bool = True
-    # measure_compile's interleaved runs of each form: one, where decode takes two, as a sample is a whole prefill
-    # (tenths of a second to seconds, not milliseconds) and a bucket's warm-up costs 3 + 2 * measure_iters of them
+    # measure_compile's runs of each form: one (decode takes two), as a sample is a whole prefill
     measure_compile: bool = True
     measure_iters: int = 1
 
@@ -102,9 +89,8 @@ class ExtendGraphConfig:
 
 def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None = None, *, causal: bool = True,
                      sliding_window: int | None = None, device: torch.device | str = "cpu") -> ExtendMetadata:
-    """The ``ExtendMetadata`` ``plan.plan_extend`` builds for self-attention requests of these lengths, every one
-    on request row 0 (for counting pairs and for warm-up batches; no table or cache is read).
-    ext_lens, prefix_lens: [bs] new and cached tokens per request."""
+    """The ``ExtendMetadata`` ``plan.plan_extend`` builds for self-attention requests of these lengths, all on
+    request row 0 (for counting pairs and warm-up). ext_lens, prefix_lens: [bs] new and cached tokens per request."""
     ext = torch.tensor(list(ext_lens), dtype=torch.int64)
     prefix = torch.zeros_like(ext) if prefix_lens is None else torch.tensor(list(prefix_lens), dtype=torch.int64)
     if ext.shape != prefix.shape or (ext < 0).any() or (prefix < 0).any():
@@ -122,14 +108,9 @@ def lengths_metadata(ext_lens: Sequence[int], prefix_lens: Sequence[int] | None 
 class ExtendGraphs(BucketedGraphs):
     """Warm-up and replay of an extend step over ``ExtendKey`` (token bucket, pair bucket) buckets.
 
-    ``warmup(persistent, keys=None)`` compiles (and on CUDA captures) every reachable bucket, or only ``keys``
-    (``key_for_lengths`` of the batches a caller will run). ``run(meta, tokens, persistent)`` plans the tiles of a
-    batch planned by ``plan.plan_extend`` (unpadded), picks the smallest warmed bucket that holds its tokens and its
-    pairs, copies the per-token rows and the pair list into that bucket's static buffers and replays; a batch that
-    no warmed bucket holds runs the step on its own shapes, without a graph (warned once).
-
-    token_inputs: the step's per-token inputs (``RowInput``: trailing shape after the token dim, dtype, the value
-        padded tokens get; ``slots=True``: KV slots, checked before a replay when ``check_slots``).
+    ``warmup(persistent, keys=None)`` warms every reachable bucket, or only ``keys``. ``run`` plans the tiles, picks
+    the smallest warmed bucket that holds the batch and replays (without a graph where none does: warned once).
+    token_inputs: the step's per-token inputs (``RowInput``; ``slots=True``: KV slots, checked when ``check_slots``).
     causal, sliding_window: the step's static mask settings; a batch planned with others is a ValueError.
     """
 
@@ -160,8 +141,6 @@ class ExtendGraphs(BucketedGraphs):
     def runner(self) -> GraphRunner | None:
         """The runner of the buckets ``warmup`` warmed (None before it)."""
         return self.runners[0] if self.runners else None
-
-    # ---- buckets ----
 
     def keys(self) -> list[ExtendKey]:
         """Every bucket some batch can need, smallest first."""
@@ -199,8 +178,6 @@ class ExtendGraphs(BucketedGraphs):
         """The smallest warmed bucket that holds the batch (by tokens, then pairs), or None (fallback)."""
         return next((k for k in self._warmed if k.tokens >= num_tokens and k.pairs >= num_pairs), None)
 
-    # ---- warm-up ----
-
     def warmup(self, persistent: Mapping[str, torch.Tensor], choices: Mapping[ExtendKey, str] | None = None,
                keys: Sequence[ExtendKey] | None = None) -> dict:
         """``BucketedGraphs.warmup`` of every reachable bucket, or only ``keys`` (``key_for_lengths`` of the batches a
@@ -236,10 +213,8 @@ class ExtendGraphs(BucketedGraphs):
         return specs
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: ExtendKey) -> None:
-        """Warm a bucket on a batch that does close to its full work: requests of one length, every one reading
-        request row 0 from position 0 (the per-token inputs keep their padding values; outputs are discarded). On
-        an all-padding batch the CPU flash op skips every pair: the compiled-vs-eager measurement would time
-        nothing, and the first real batch would pay the kernel's first-call costs."""
+        """Warm a bucket on a batch that does close to its full work (requests of one length on request row 0;
+        outputs discarded): on an all-padding batch the CPU flash op skips every pair and the warm-up times nothing."""
         length = max(1, min(self._width, key.tokens, self.tile_q))
         per_request = self.pairs_for_lengths([length])
         while per_request > key.pairs and length > 1:
@@ -252,12 +227,9 @@ class ExtendGraphs(BucketedGraphs):
         for name in ExtendTileInputs._fields:
             buffers.tensors[name].copy_(getattr(tiles.inputs, name))
 
-    # ---- run ----
-
     def run(self, meta: ExtendMetadata, tokens: Mapping[str, torch.Tensor], persistent: Mapping[str, torch.Tensor]):
-        """One extend step over a batch planned by ``plan_extend`` (no ``batch_capacity`` needed) with its
-        per-token inputs ([num_tokens, ...] each); outputs cut to ``meta.num_tokens`` rows (on CUDA graphs: views
-        valid until the next run)."""
+        """One extend step over a batch planned by ``plan_extend`` with its per-token inputs ([num_tokens, ...]
+        each); outputs cut to ``meta.num_tokens`` rows (on CUDA graphs: views valid until the next run)."""
         if self.runner is None:
             raise RuntimeError("ExtendGraphs.run() before warmup(persistent)")
         if not isinstance(meta, ExtendMetadata):

@@ -1,24 +1,8 @@
 """Bucketed verify steps (speculative decoding's ``k`` draft tokens per request): the twin of ``runners.decode``.
 
-A verify step is any function ``step_fn(inputs, persistent)`` whose ``inputs`` hold the fields of ``VerifyInputs``
-(``VerifyInputs.of(inputs)`` picks them) plus the caller's per-token inputs (the draft tokens' queries, new K/V,
-output slots, ...), and whose ``persistent`` tensors are the KV caches and ``req_to_token``. A per-token input
-reaches the step as ``[bs, k, *shape]`` (request-major, as SGLang packs the draft tokens); the step flattens it
-to ``[bs * k, *shape]`` for ``verify_blocks`` and returns token-major outputs, ``[bs * k, ...]``.
-
-The graph key is ``VerifyKey(batch bucket, draft length k, KV-token bucket)``: every shape of a step follows from
-those three (``draft_mask`` is ``[bs, k, k]``, the per-token inputs ``[bs, k, ...]``, the prefix blocks
-``kv_tokens / block_size``). The step is compiled once (``compile_policy``: ``fullgraph=True``, dynamic sizes; one
-graph served every key in the tests) and each key is then captured (CUDA) or replayed on its static buffers (CPU)
-like a decode bucket, through the same ``graphs.BucketedGraphs`` frame (with its measured compiled-vs-eager choice
-on CPU) and the same ``GraphConfig`` switches. The draft lengths are configured (``draft_lens``, e.g. SGLang's
-``--speculative-num-draft-tokens``): a batch of another ``k`` is refused rather than compiled on the fly, so
-nothing compiles after warm-up.
-
-Every ``k`` uses ``config.block_size`` for its prefix blocks (plan with ``VerifyGraphs.plan`` or
-``plan_verify(block_size=config.block_size)``). On CPU the kernel folds a request's blocks as one run, so the
-block length sizes the index and one block's scratch; the matmul form (CUDA) copies a request's ``k * Hq`` query rows
-per block, so there a larger ``block_size`` (``verify.verify_block_size(k, device)``) keeps that copy small.
+A step's ``inputs`` hold the fields of ``VerifyInputs`` plus per-token inputs as ``[bs, k, *shape]`` (request-major,
+as SGLang packs them); it returns ``[bs * k, ...]``. Keys are ``VerifyKey(batch bucket, k, KV-token bucket)``; only
+the configured ``draft_lens`` run, so nothing compiles after warm-up. Plan with ``VerifyGraphs.plan``.
 """
 from __future__ import annotations
 
@@ -57,18 +41,12 @@ def _check_draft_lens(draft_lens) -> tuple[int, ...]:
 
 
 class VerifyGraphs(BucketedGraphs):
-    """Warm-up and replay of a verify step over ``VerifyKey`` (batch bucket, draft length, KV-token bucket) keys.
-
-    ``run`` takes the real batch's ``VerifyMetadata`` (planned without padding, ``block_size=config.block_size``)
-    and its per-token inputs (``[num_real * k, *shape]`` each), picks the smallest bucket of its ``k`` that holds
-    it, copies the rows into that bucket's static buffers and replays. A batch beyond the largest batch or KV bucket
-    runs the step on its own shapes without a graph (warned once).
+    """Warm-up and replay of a verify step over ``VerifyKey`` (batch bucket, draft length, KV-token bucket) keys;
+    ``run`` as ``DecodeGraphs.run``, its per-token inputs ``[num_real * k, *shape]`` each.
 
     draft_lens:   the draft token counts ``k`` to warm; another ``k`` is a ValueError.
-    token_inputs: the step's per-token inputs (``RowInput``: trailing shape after the token dim, dtype, the value
-        padded rows get; ``slots=True``: KV slots, checked before a replay when ``check_slots``).
-    check_slots: check the slot inputs lie in ``[0, num_slots)`` before a replay (a host read; the table entries a
-        batch reads are checked by ``plan_verify(check_slots=True)``, its default).
+    token_inputs: the step's per-token inputs (``RowInput``; ``slots=True``: KV slots, checked when ``check_slots``).
+    check_slots: check the slot inputs lie in ``[0, num_slots)`` before a replay (``plan_verify`` checks the table).
     """
 
     def __init__(self, step_fn: Callable, *, config: GraphConfig, draft_lens: Sequence[int],
@@ -82,8 +60,6 @@ class VerifyGraphs(BucketedGraphs):
         self._width = 0  # set by warmup() (warmup_width): the most keys a warm-up request reads
         keys = [VerifyKey(bs, k, kv) for bs, kv in reachable_keys(config, self.policy) for k in self.draft_lens]
         self._build_runners(keys, config.torch_compile_max_bs)
-
-    # ---- buffers and warm-up ----
 
     def _buffer_specs(self, key: VerifyKey) -> dict[str, BufferSpec]:
         bs, k, kv_tokens = key
@@ -100,8 +76,7 @@ class VerifyGraphs(BucketedGraphs):
 
     def _fill_warmup_batch(self, buffers: StaticBuffers, key: VerifyKey) -> None:
         """The bucket's block aranges; on CPU also a batch that fills its blocks, every row reading request row 0
-        from position 0 (outputs discarded). On empty prefixes the CPU flash op reads nothing: the compiled-vs-eager
-        measurement would time nothing, and the first real batch would pay the kernel's first-call costs."""
+        (outputs discarded): on empty prefixes the CPU kernel reads nothing and the warm-up times nothing."""
         bs, k, kv_tokens = key
         block = self.config.block_size
         nblk = kv_tokens // block
@@ -118,8 +93,6 @@ class VerifyGraphs(BucketedGraphs):
         """``BucketedGraphs.warmup``, keyed by ``VerifyKey``."""
         self._width = warmup_width(persistent, self.config.max_context_len)
         return super().warmup(persistent, choices)
-
-    # ---- run ----
 
     def plan(self, q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, draft_len, custom_mask=None,
              **kwargs) -> VerifyMetadata:

@@ -1,29 +1,10 @@
 """The CPU form of the ragged tiled extend: each query tile's key tiles through ATen's CPU flash kernel.
 
-Why spans, not one kernel call per (query tile, key tile) pair: the kernel ran at about half its speed on 64-key
-inputs (its key blocks are 512 long), and every pair would write a partial output the size of its query tile, so
-a query row near the end of a 2048-token prompt would be merged from 32 partials. Here the consecutive key tiles of
-one query tile (the plan lists them in order, contiguous in key positions) are attended in spans of up to
-``span_keys`` keys, one kernel call each; a query tile's few spans are merged by the log-sum-exp rule straight into
-its output rows (a query tile owns its rows, so no other tile writes them). The query tiles of one request read
-prefixes of the same keys (all the same keys when non-causal), so a request's keys are gathered once and its
-tiles read slices of that gather (up to ``HELD_BYTES``; past it each span gathers its own keys).
-
-Only valid keys and queries are gathered (a pair's counts trim its tile), so the padding slot is never read and
-NaN/Inf there cannot reach any output. A span is masked (additive bias) only when one of its pairs is not fully
-visible; fully visible spans run without a mask. A causal tile that sees exactly the keys ``[0, n_q)`` (a request's
-first tile when it has no prefix) is the kernel's own top-left causal case and runs with ``is_causal`` (heads
-unfolded: the causal rows must be positions), which skips the masked half (3-9% of a no-prefix batch, 1 thread).
-A causal request whose new tokens span ``CAUSAL_SQUARE_TILES`` query tiles or ``CAUSAL_SQUARE_ROWS`` tokens or more
-runs whole (``_trapezoid``): its prefix as one unmasked call, its new tokens as one causal square, merged straight
-into the output rows; no masked diagonal spans.
-
-The loop runs inside an opaque op (``compile_policy.opaque_op``): ``torch.compile`` sees one call, and the op reads
-its small per-pair CPU tensors on the host (not a device sync: the op is CPU-only) to walk the pairs and skip a
-bucket's padding.
-Only the kernel calls run multi-threaded: the op's gathers, copies and merges are a few MiB each next to kernel
-calls of tens of ms, and as parallel regions on a shared 2-core machine they stalled on a descheduled thread
-(they took as long as the kernel calls); on one thread they cost a few percent.
+A query tile's consecutive key tiles run in spans of up to ``span_keys`` keys, one kernel call each, merged by
+log-sum-exp into the tile's own output rows; a request's keys are gathered once (up to ``HELD_BYTES``), valid keys
+only, so the padding slot is never read. A long enough causal run of tiles runs whole (``_trapezoid``). The loop is
+an opaque op that reads its small CPU tensors on the host; only the kernel calls run multi-threaded (the small ops
+around them, as parallel regions on a busy machine, stalled on a descheduled thread).
 """
 from __future__ import annotations
 
@@ -47,17 +28,13 @@ def run_on_threads(n: int):
     finally:
         torch.set_num_threads(before)
 
-#: float32 K bytes gathered per kernel call (2048 keys of 8 KV heads x 128). The kernel is compute-bound here (a
-#: gathered key serves group * TQ query rows), so L2-sized spans bought nothing: 256-key spans ran at about half
-#: the kernel's speed and spans of 1024-4096 keys within noise of each other; fewer spans, fewer merges.
+#: float32 K bytes gathered per kernel call: the kernel is compute-bound here, so long spans (fewer merges) win
 SPAN_BYTES = 8 << 20
 #: the most float32 K bytes of one request's keys held across its query tiles (V doubles it)
 HELD_BYTES = 64 << 20
-#: a causal request whose new tokens span at least this many query tiles runs as its prefix (one call) and one
-#: causal square
+#: a causal request whose new tokens span at least this many query tiles runs as its prefix and one causal square
 CAUSAL_SQUARE_TILES = 4
-#: ... or (two tiles or more) at least this many new tokens: from 768 query rows on ATen's CPU kernel takes its large
-#: (256-row) query block, and one causal call there beat the folded tiles
+#: ... or (two tiles or more) at least this many new tokens, where ATen's kernel takes its large query block
 CAUSAL_SQUARE_ROWS = 768
 
 
@@ -68,8 +45,7 @@ def span_keys_for(num_kv_heads: int, head_dim: int) -> int:
 
 def tile_flash_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float | None) -> str:
     """Why ``ragged_tile_flash`` cannot serve an extend call, or "" where it can. ATen's CPU flash kernel has no
-    soft-cap and needs one head size for Q, K and V: a narrower V (MLA-normal 192/128) is zero-padded to Dqk after
-    the gather and the output sliced back (the padded columns cost less than the matmul form)."""
+    soft-cap and needs one head size: a narrower V is zero-padded to Dqk and the output sliced back."""
     if q.device.type != "cpu":
         return f"not a CPU call ({q.device.type})"
     if logit_cap is not None:
@@ -103,11 +79,9 @@ def ragged_tile_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Ragged extend attention over the plan's (query tile, key tile) pairs, on CPU.
 
     q: [num_tokens, Hq, D]; k_cache: [num_slots, Hkv, D]; v_cache: [num_slots, Hkv, Dv], Dv <= D, any
-    ``kv.KV_DTYPES`` (dequantised with k_scale/v_scale in the gather; the kernel computes in
-    ``kv.compute_dtype``: a bf16/fp16 query over a cache of its dtype or float8 needs no float32 copy)
-    slots: [P, TK] int64, a pair's key slots, valid ones first (``k_count`` of them)
-    q_start, q_count, k_count, q_rel: [P] int64; full: [P] bool (see ``ExtendTilePlan``)
-    causal, window: the mask of spans that are not full (window -1: none)
+    ``kv.KV_DTYPES`` (dequantised with k_scale/v_scale; the kernel computes in ``kv.compute_dtype``)
+    slots: [P, TK] int64, a pair's key slots, valid ones first; q_start, q_count, k_count, q_rel: [P] int64;
+    full: [P] bool (``extend.ExtendTileInputs``); causal, window: the mask of spans not full (window -1: none)
     sinks: [Hkv, group] float32 attention-sink logits joining every query's softmax denominator, or None
     returns [num_tokens, Hkv, group, Dv] float32 (zeros for a query that sees no key).
     """
@@ -129,8 +103,7 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
     dtype = compute_dtype(q.dtype, k_cache.dtype)
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     group = hq // hkv
-    # empty, not zeros: a fresh zero fill of a large output was page-faulted every call; rows that no tile
-    # writes (queries that see no key) are zeroed at the end
+    # empty, not zeros (a large zero fill is page-faulted every call); rows no tile writes are zeroed at the end
     out = q.new_empty((t, hkv, group, dv), dtype=torch.float32)
     written = torch.zeros(t, dtype=torch.bool)
     qs, qc, kc, fl, rel = q_start.tolist(), q_count.tolist(), k_count.tolist(), full.tolist(), q_rel.tolist()
@@ -157,11 +130,8 @@ def _ragged_tile_flash(flash, q, k_cache, v_cache, slots, q_start, q_count, k_co
         n_q, n_k = qc[i], n_keys[r]
         i_keys, square = i, None
         if causal and window < 0 and n_k >= rel[i] + n_q:
-            # a causal tile sees every key up to its last query (its key range, from the request's first key, may
-            # run on to the end of a key tile): with the request's next tiles it may form a causal square (no
-            # prefix) or a trapezoid (a prefix of rel[i] keys, then the square), run whole: one call of the kernel's
-            # own causal case for the square (as the per-request loop makes it) and one unmasked call for the
-            # prefix, not one call per tile with masked diagonal spans
+            # a causal tile that sees every key up to its last query: with the request's next tiles it may form a
+            # causal square or a trapezoid (a prefix of rel[i] keys, then the square), run whole (``_trapezoid``)
             last = _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held)
             if last > r or rel[i] == 0:
                 square = rel[i]  # the keys before the square
@@ -229,16 +199,11 @@ def _fold(q_tile: torch.Tensor, hkv: int) -> torch.Tensor:
 
 
 def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float, out: torch.Tensor | None = None):
-    """``n_q`` queries over ``prefix + n_q`` keys, query ``a`` seeing keys ``[0, prefix + a]``: the prefix keys,
-    visible to every query, as one unmasked call, the last ``n_q`` keys as the kernel's own top-left causal square
-    (the kernel skips the masked half), merged by log-sum-exp.
-
-    Both calls read q as a view with the heads unfolded: a trapezoid's rows (from ``CAUSAL_SQUARE_ROWS`` at the
-    default tiles) already fill the kernel's large query block, so folding the GQA heads into the rows (a copy of q
-    on the op's single thread) buys nothing here.
-    q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv, group, n_q, D] float32, lse [Hkv, group, n_q].
-    ``out`` ([Hkv, group, n_q, Dv], Dv <= D, float32, any strides: the op's output rows): the result is written
-    there instead (a prefix's merge in one pass), and (None, None) returned."""
+    """``n_q`` queries over ``prefix + n_q`` keys, query ``a`` seeing keys ``[0, prefix + a]``: the prefix as one
+    unmasked call, the last ``n_q`` keys as the kernel's own causal square (it skips the masked half), merged by
+    log-sum-exp. The heads stay unfolded: the rows already fill the kernel's large query block.
+    q_tile: [n_q, Hq, D]; k, v: [1, Hkv, prefix + n_q, D] -> o [Hkv, group, n_q, D] float32, lse [Hkv, group, n_q];
+    or, given ``out`` ([Hkv, group, n_q, Dv], float32, any strides), o written there and (None, None) returned."""
     n_q, hq, d = q_tile.shape
     hkv = k.shape[1]
     qv = q_tile.permute(1, 0, 2)[None]
@@ -259,9 +224,8 @@ def _trapezoid(flash, q_tile, k, v, prefix: int, scale: float, out: torch.Tensor
 
 
 def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> int:
-    """The last run of the causal square (or trapezoid: after a prefix of ``rel`` keys) that starts at run ``r``
-    (a query tile that sees every key up to its last query): the following runs whose query tiles continue it
-    (next queries, same first key, keys up to their last query)."""
+    """The last run of the causal square (or trapezoid) that starts at run ``r``: the following runs whose query
+    tiles continue it (next queries, same first key, keys up to their last query); ``r`` where it is too short."""
     i = runs[r][0]
     last = r
     while last + 1 < len(runs):
@@ -271,8 +235,7 @@ def _causal_square_end(runs, r, qs, qc, rel, n_keys, first_slot, max_held) -> in
                 or n_keys[last + 1] < offset + qc[a] or offset + qc[a] > max_held):
             break
         last += 1
-    # a short square stays tiled: its folded GQA tiles (one K/V head serving group * 256 query rows) ran faster
-    # than one causal call with the heads unfolded (4 x 512 new: 0.82x), a long one gains (64..2048: 1.10x)
+    # a short square stays tiled: its folded GQA tiles beat one causal call with the heads unfolded
     rows = qs[runs[last][0]] + qc[runs[last][0]] - qs[i]
     return last if last - r + 1 >= CAUSAL_SQUARE_TILES or (last > r and rows >= CAUSAL_SQUARE_ROWS) else r
 
@@ -313,10 +276,8 @@ def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) 
 def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Two normalised partial softmaxes of the same rows -> one (log-sum-exp rule); a row with no key on either
-    side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]. One pass over the outputs (``lerp``): on a
-    shared 2-core machine every large elementwise op is a parallel region that can stall on a descheduled thread,
-    so the weights are computed on the small ``lse`` tensors. ``out``: where the merged o is written (any strides,
-    o_a's shape), else a new tensor."""
+    side has lse -inf and stays zero. o: [..., L, D]; lse: [..., L]; ``out``: where the merged o is written (any
+    strides), else a new tensor. One pass over the outputs (``lerp``), the weights computed on the small lse."""
     m = torch.maximum(lse_a, lse_b).clamp_min(torch.finfo(torch.float32).min)  # finite: no inf - inf
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     den = w_a + w_b
