@@ -6,6 +6,7 @@ Triton on CUDA, else the matmul form below. Pure tensor code: no ``.item()``, no
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -147,16 +148,20 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     else:
         slots = np.zeros(capacity * block_size, dtype=np.int64)  # unused blocks read the padding slot
         slots[:raw.shape[0]] = raw
-    if n:  # masked positions read their block's first slot (the request's own), as in the general form
+    # masked positions read their block's first slot (the request's own), as in the general form
+    if first > 1 and n:
         slots[1:first] = slots[0]
+    if end < n:
         slots[end:n] = slots[n - block_size]
-    valid = np.zeros(capacity * block_size, dtype=np.bool_)
-    valid[first:end] = True
-    block_req = np.ones(capacity, dtype=np.int64)  # unused blocks: row 1 (= bs)
-    block_req[:nblk] = 0
+    total = capacity * block_size
+    if first == 0:  # valid: a view of a constant, `end` True then False
+        valid = _true_then_false(total)[total - end:2 * total - end]
+    else:
+        valid = np.zeros(total, dtype=np.bool_)
+        valid[first:end] = True
     slots = slots.reshape(capacity, block_size)
     units = torch.from_numpy(slots[:, ::unit] // unit) if unit > 1 else None
-    index = DecodeIndex(block_req=torch.from_numpy(block_req), slots=torch.from_numpy(slots),
+    index = DecodeIndex(block_req=_block_rows(nblk, capacity), slots=torch.from_numpy(slots),
                         valid=torch.from_numpy(valid.reshape(capacity, block_size)), unit=unit, units=units,
                         req_to_token=req_to_token, inputs=inputs)
     if slot_map is not None:  # the translated slots as the table (as the general form's)
@@ -164,6 +169,21 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
                                        kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
+
+
+@functools.lru_cache(maxsize=64)
+def _true_then_false(n: int) -> np.ndarray:
+    """``n`` True then ``n`` False: ``_single_request_index``'s masks are views of it (read only, as every tensor of a
+    ``DecodeIndex`` is), one op where a fresh mask is three."""
+    return np.repeat(np.array([True, False]), n)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_rows(nblk: int, capacity: int) -> torch.Tensor:
+    """A batch of one's ``block_req``: ``nblk`` blocks of row 0, the rest row 1 (= bs, unused); kept, as a step's is
+    the last step's until the request grows a block. Made outside inference mode, so any later use may read it."""
+    with torch.inference_mode(False):
+        return (torch.arange(capacity) >= nblk).long()
 
 
 def decode_blocks(

@@ -126,7 +126,8 @@ def host_row(table: torch.Tensor, row: int, lo: int, hi: int) -> np.ndarray | No
 
 def slots_fit(slots: np.ndarray, num_slots: int) -> bool:
     """Every entry of ``slots`` (a ``host_row``) is a slot in ``[0, num_slots)``."""
-    return not slots.size or (int(slots.min()) >= 0 and int(slots.max()) < num_slots)
+    # read as unsigned, a negative entry is above any slot count: one reduction checks both ends
+    return not slots.size or int(slots.view(f"u{slots.itemsize}").max()) < num_slots
 
 
 def row_keeps_pages(slots: np.ndarray, lo: int, page_size: int) -> bool:
