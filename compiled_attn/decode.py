@@ -153,12 +153,8 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
         slots[1:first] = slots[0]
     if end < n:
         slots[end:n] = slots[n - block_size]
-    total = capacity * block_size
-    if first == 0:  # valid: a view of a constant, `end` True then False
-        valid = _true_then_false(total)[total - end:2 * total - end]
-    else:
-        valid = np.zeros(total, dtype=np.bool_)
-        valid[first:end] = True
+    valid = np.zeros(capacity * block_size, dtype=np.bool_)
+    valid[first:end] = True
     slots = slots.reshape(capacity, block_size)
     units = torch.from_numpy(slots[:, ::unit] // unit) if unit > 1 else None
     index = DecodeIndex(block_req=_block_rows(nblk, capacity), slots=torch.from_numpy(slots),
@@ -169,13 +165,6 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
                                        kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
-
-
-@functools.lru_cache(maxsize=64)
-def _true_then_false(n: int) -> np.ndarray:
-    """``n`` True then ``n`` False: ``_single_request_index``'s masks are views of it (read only, as every tensor of a
-    ``DecodeIndex`` is), one op where a fresh mask is three."""
-    return np.repeat(np.array([True, False]), n)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,14 +1,9 @@
-"""The CPU decode/verify kernel in C++ (``csrc/``), built with this machine's compiler on first use (``build``) and
-called as a torch op: each block's partial softmax read from the paged cache in place, merged per row in the same
-call (docs/design.md, "The C++ kernel", says how and why).
+"""The CPU decode/verify kernel in C++ (``csrc/``), built on first use (``build``), called as a torch op: each
+block's partial softmax read from the paged cache in place and merged per row in one call (docs/design.md).
 
-The kernel runs one of its paths (``PATHS``: ``tile`` AMX bf16 products, ``wide`` float32 outer products,
-``vector_bf16`` AVX512-BF16 pair products, ``vector`` float32 products); ``kernel_path`` says which a call takes
-and why, and the kernel refuses a path its build or the call's shapes cannot run. The op checks every tensor's
-dtype, device and shape, the kernel every index it reads (a ValueError naming the argument and its limit).
-``COMPILED_ATTN_ISA=avx2|avx512|avx512_bf16|amx`` builds for that level (``ISA_LEVELS``) instead of the whole CPU;
-``COMPILED_ATTN_NATIVE=0`` turns the kernel off; a machine where the build fails gets one warning and the portable
-matmul form.
+``kernel_path`` says which of its ``PATHS`` a call takes and why; the op checks every tensor and the kernel every
+index it reads (a ValueError naming the argument). ``COMPILED_ATTN_ISA`` caps the build's level (``ISA_LEVELS``),
+``COMPILED_ATTN_NATIVE=0`` turns it off; where the build fails, one warning and the portable matmul form.
 """
 from __future__ import annotations
 
@@ -226,28 +221,21 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
                          logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
                          q_bf16_scale: float = 0.0, draft_slots: torch.Tensor | None = None,
                          draft_mask: torch.Tensor | None = None, tokens: int = 1, path: str = "") -> torch.Tensor:
-    """The whole decode by the C++ kernel: each block's partial softmax over the blocks whose ``block_req`` is
-    below ``num_rows`` (a bucket's unused blocks are skipped, no host read needed) and ``decode.merge_blocks`` of
-    them, in one call. q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` query
-    tokens at ``r * tokens ..``; decode: tokens = 1), as the model holds it: the kernel groups a row's tokens by KV
-    head itself, its rows ``t * group + g`` of KV head h being token t's head ``h * group + g`` (a score is q . K
-    times k_scale: the softmax scale rides on k_scale). block_req: [n] int64, the row of each block; runs: [n, B //
-    unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv, D], v_cache: [num_slots, Hkv,
-    Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation scales (1.0 for none); logit_cap:
-    soft-cap, 0.0 for none; sinks: [Hkv, G] float32 logits or None (G = tokens x group); q_bf16_scale:
-    ``bf16_query_scale``'s (0.0: float32 products); path: one of ``PATHS``, "" for ``kernel_path``'s (a path that
-    does not serve the call is a ValueError).
-    Verify's draft block joins each row's merge: draft_slots [>= num_rows, nd] int64, the KV slots of a row's nd
-    keys beyond its blocks (its draft tokens', after a window's edge keys), draft_mask [>= num_rows, tokens, nd]
-    bool, which of them each of its query tokens sees (query row i of a KV head is token i // group).
-    -> [num_rows * tokens, Hq, Dv] in q.dtype, token-major as q (zeros for a row with no key).
-    Invalid positions are never read; a valid position (or a draft key a token sees) whose slot lies outside the
-    cache, a negative block row or tensors that do not fit each other are a ValueError naming the argument (the
-    kernel reads nothing there).
+    """The whole decode by the C++ kernel: the partial softmax of each block whose ``block_req`` is below
+    ``num_rows`` (a bucket's unused blocks are skipped) and ``decode.merge_blocks`` of them, in one call.
 
-    Why one op: each row's blocks are merged straight from the kernel's scratch, where a merge in ATen ops writes
-    the block outputs and reads them back through five ops; the same holds for verify's draft block and for the
-    queries' and output's layouts."""
+    q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` queries at ``r * tokens``;
+    decode: tokens = 1); a score is q . K times k_scale (the softmax scale rides on it). block_req: [n] int64, each
+    block's row; runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv,
+    D], v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
+    scales (1.0: none); logit_cap: soft-cap (0.0: none); sinks: [Hkv, G] float32 logits or None (G = tokens x
+    group); q_bf16_scale: ``bf16_query_scale``'s; path: one of ``PATHS``, "" for ``kernel_path``'s. Verify's draft
+    keys join each row's merge: draft_slots [>= num_rows, nd] int64, their slots; draft_mask [>= num_rows, tokens,
+    nd] bool, which of them each query token sees.
+    -> [num_rows * tokens, Hq, Dv] in q.dtype (zeros for a row with no key). A slot outside the cache at a position
+    read, a negative block row, tensors that do not fit or a path that does not serve the call: ValueError.
+    Why one op: the blocks are merged straight from the kernel's scratch, where ATen ops would write them and read
+    them back through five ops; the same holds for the draft keys and for the queries' and output's layouts."""
     ops = _ops(library())
     g = _rows_per_kv_head(q, k_cache, tokens)
     number = _path_number(path, k_cache, q_bf16_scale, g, q.shape[-1], v_cache.shape[-1])
