@@ -171,14 +171,16 @@ def test_bench_ops_runs_and_reports_ratios(capsys):
     assert "compiled_x" in out and "mha decode" in out and "mla decode" in out and "malloc tuning off" in out
 
 
-def test_bench_ops_extend_runs_and_reports_waste(capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_ops_extend_runs_and_reports_waste(dtype, capsys):
     from compiled_attn.bench import ops as bench_ops
 
-    # loop, eager and compiled agree (2e-3) inside bench_extend_case before anything is timed
+    # loop, eager and compiled agree (2e-3; half precision 2e-2) inside bench_extend_case before anything is timed
     assert bench_ops.main(["--ops", "extend", "--batch-size", "1", "--new", "uniform", "--prefix", "0", "--iters",
-                           "1", "--no-malloc-tuning"]) == 0
+                           "1", "--dtype", dtype, "--no-malloc-tuning"]) == 0
     out = capsys.readouterr().out
     assert "waste_64" in out and "GFLOP/s" in out
+    assert [line.split()[4] for line in out.splitlines() if line.startswith("extend ")] == [dtype]
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])

@@ -80,7 +80,7 @@ def _parse(argv):
                    help="N processes spin on the CPU while timing (default 0)")
     p.add_argument("--iters", type=int_at_least(1), default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="query (model) dtype; verify: the model's and its cache's")
+                   help="query (model) dtype; verify and extend: the model's and its cache's")
     p.add_argument("--page-size", nargs="+", type=int_at_least(1), default=[1],
                    help="decode: KV cache page sizes (SGLang --page-size; default 1)")
     p.add_argument("--kv-dtype", nargs="+", default=None, choices=list(KV_DTYPE_NAMES),
@@ -202,8 +202,8 @@ def _run_cases(args, report: dict) -> None:
               "with every read overlapped; x_read: verify / a one-pass read of the K/V bytes (.sum); "
               + _cache_note(args, cold))
     if extend_ops:
-        rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters) for op in extend_ops for new in args.new
-                for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
+        rows = [bench_extend_case(op, bs, new, prefix, iters=args.iters, dtype=dtype) for op in extend_ops
+                for new in args.new for prefix in args.prefix for bs in args.batch_size or [1, 4, 16]]
         _table(report, "extend", rows, EXTEND_COLUMNS)
         report["matmul_GFLOPs"] = matmul_gflops()
         _note(report, f"float32 matmul 2048^3: {report['matmul_GFLOPs']:.0f} GFLOP/s (the compute roof for the "
