@@ -141,8 +141,7 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     first, end = lo - start, min(hi - start, n)  # the request's keys: positions [first, end) of its blocks
     raw = table[start:start + n]  # shorter than n where the last block runs past the table's width
     if slot_map is not None:
-        raw = slot_map.table.numpy()[raw.clip(0, slot_map.table.shape[0] - 1)].astype(np.int64)
-        raw = raw.clip(0, slot_map.num_slots - 1)
+        raw = translate_slots(torch.from_numpy(raw).long(), slot_map).numpy()
     if raw.shape[0] == capacity * block_size:  # every block used, all inside the table
         slots = raw.astype(np.int64)
     else:

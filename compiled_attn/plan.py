@@ -137,8 +137,6 @@ def total_blocks_needed(kv_lo: Sequence[int] | torch.Tensor, kv_hi: Sequence[int
     unit = gather_unit(page_size, block_size)
     if isinstance(kv_lo, torch.Tensor):
         kv_lo, kv_hi = kv_lo.tolist(), kv_hi.tolist()
-    if len(kv_lo) == 1 and len(kv_hi) == 1:  # a batch of one, without the list's machinery
-        return _range_blocks(kv_lo[0], kv_hi[0], unit, block_size)
     return sum([_range_blocks(lo, hi, unit, block_size) for lo, hi in zip(kv_lo, kv_hi, strict=True)])
 
 
@@ -304,10 +302,7 @@ def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, slid
     needed = _range_blocks(lo, n, unit, block_size)
     bs_cap = 1 if batch_capacity is None else check_capacity("batch_capacity", batch_capacity, 1)
     nblk = max(needed, 1) if block_capacity is None else check_capacity("block_capacity", block_capacity, needed)
-    if bs_cap == 1:  # int64_rows
-        req_rows, kv_lo, kv_hi = (torch.frombuffer(array("q", [x]), dtype=torch.int64) for x in (row, lo, n))
-    else:
-        req_rows, kv_lo, kv_hi = int64_rows([[row], [lo], [n]], bs_cap, q.device)
+    req_rows, kv_lo, kv_hi = int64_rows([[row], [lo], [n]], bs_cap, q.device)
     inputs = DecodeInputs(req_rows, kv_lo, kv_hi, _arange(nblk, q.device), _arange(block_size, q.device))
     return DecodeMetadata(inputs, num_real=1, blocks_needed=needed, slots_checked=check_slots, page_size=page_size)
 
