@@ -272,11 +272,17 @@ static int run_blocks(const Problem& problem) {
         }
 #endif
         if (!pairs) {
-          for (int64_t i = 0; i < Rn * D; ++i) qv[i] = q[i] * pr.k_mul;  // K's scale applied to the queries
+          // K's scale applied to the queries (AVX2: in the order its scores read a key row in, key16_order)
+#if defined(__AVX512F__)
+          for (int64_t i = 0; i < Rn * D; ++i) qv[i] = q[i] * pr.k_mul;
+#else
+          for (int64_t i = 0; i < Rn * D; i += 16)
+            for (int64_t j = 0; j < 16; ++j) qv[i + key16_order<L>(j)] = q[i + j] * pr.k_mul;
+#endif
           vector_scores<L, DV, false>(up, slot, keep, qv.data(), s.data(), Bp);
         }
         softmax_rows(s.data(), keep, B, Bp, Rn, pr.cap, mo, lo);
-        vector_weighted_v<L>(up, slot, keep, s.data(), Bp, oo);
+        vector_weighted_v<L>(up, slot, keep, s.data(), Bp, oo, next_slot, next_keep, next_k);
         if (j != j0) fold_partials(Rn, Dv, m_at, l_at, o_at, mo, lo, oo);
       }
       if (own) finish_row(pr.block_req[b0], h0);

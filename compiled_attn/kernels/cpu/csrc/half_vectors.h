@@ -1,8 +1,8 @@
 // The AVX2 build's 8-float vectors (kernel_math.h includes this after the cache formats' loaders). Without AVX-512
 // a v16 is no machine type: GCC keeps a v16 that lives across a loop (a running sum, a row held in registers) in
 // memory, copied through the stack and general registers at every step (the vector path's V sums ran at a tenth of
-// their FMA rate). The hot loops of such a build use 8-float halves (v8f, one AVX2 register) instead, each half
-// summing the lanes of the v16 it stands for in the same order, so the results are the same bits.
+// their FMA rate). The hot loops of such a build use 8-float halves (v8f, one AVX2 register) instead, most of them
+// summing the lanes of the v16 each stands for in its order (the vector path's scores take key16's order).
 #pragma once
 
 #if !defined(__AVX512F__)
@@ -59,6 +59,43 @@ template <> inline v8f load8<E4M3>(const uint8_t* p) {
   i8x8 x;
   std::memcpy(&x, p, 8);
   return half8_to_float((u16x8)(__builtin_convertvector(x, i16x8) << 7) & 0xBF80);
+}
+
+// 16 stored elements of a key row -> two float32 vectors, in the order the AVX2 scores keep the queries in
+// (key16_order): a bf16 row is one 32-byte load split into its even and odd elements (a shift and a mask, no
+// widening shuffles), other formats their first and last 8.
+template <class L> static inline void key16(const typename L::T* p, v8f (&k)[2]) {
+  if constexpr (std::is_same<L, BF16>::value) {
+    u32x8 x;
+    std::memcpy(&x, p, 32);
+    const u32x8 even = x << 16, odd = x & 0xFFFF0000u;
+    std::memcpy(&k[0], &even, 32);
+    std::memcpy(&k[1], &odd, 32);
+  } else {
+    k[0] = load8<L>(p), k[1] = load8<L>(p + 8);
+  }
+}
+
+// Where element i of a row (of a multiple of 16) lies in key16's order.
+template <class L> static inline int64_t key16_order(int64_t i) {
+  if constexpr (std::is_same<L, BF16>::value) return i / 16 * 16 + i % 2 * 8 + i % 16 / 2;
+  return i;
+}
+
+// The eight sums of a[i][j] (four rows i, two key rows j), lane 2 i + j.
+static inline v8f hsum8(const v8f (&a)[4][2]) {
+  v8f x[4];
+  for (int i = 0; i < 4; ++i)  // row i: [key 0 lanes 0-3 + 4-7, key 1 lanes 0-3 + 4-7]
+    x[i] = __builtin_shufflevector(a[i][0], a[i][1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[i][0], a[i][1], 4, 5, 6, 7, 12, 13, 14, 15);
+  // rows 0, 1: [r0k0 (2), r1k0 (2), r0k1 (2), r1k1 (2)] as pairs of lanes summed
+  const v8f y01 = __builtin_shufflevector(x[0], x[1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(x[0], x[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8f y23 = __builtin_shufflevector(x[2], x[3], 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(x[2], x[3], 2, 3, 10, 11, 6, 7, 14, 15);
+  // lanes of y01: r0k0 r0k0 r1k0 r1k0 r0k1 r0k1 r1k1 r1k1 -> [r0k0 r0k1 r1k0 r1k1 r2k0 r2k1 r3k0 r3k1]
+  return __builtin_shufflevector(y01, y23, 0, 4, 2, 6, 8, 12, 10, 14) +
+         __builtin_shufflevector(y01, y23, 1, 5, 3, 7, 9, 13, 11, 15);
 }
 
 // hsum4 of four v16 given as halves (a[i][0]: lanes 0-7 of vector i, a[i][1]: lanes 8-15): the same tree of sums.

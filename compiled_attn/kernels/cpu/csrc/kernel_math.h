@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -381,6 +382,7 @@ struct Scratch {
   T* data() { return p.get(); }
 };
 
+constexpr int64_t kFarKeys = 8;  // key positions ahead whose rows go into L2 where slots are out of order
 constexpr int64_t kPrefetch = 2;  // key positions ahead: random rows (page size 1) come from memory, not a stream
 
 // Prefetches the lines of `bytes` bytes at p (locality 3: into L1; 2: into L2).

@@ -7,15 +7,36 @@
 
 #include "kernel_math.h"
 
+// Whether v16 is one register (AVX-512); else the vector path's scores take AVX2 halves (kernel_math.h says why).
+#if defined(__AVX512F__)
+constexpr bool kWideVectors = true;
+#else
+constexpr bool kWideVectors = false;
+#endif
+// Where a block's lines are fetched from memory: the AVX2 build fetches only the first head's V lines while it
+// scores the block, each next head's during the V sum of the one before, and the next block's first key rows
+// during the V sum too: the score pass had fetched every K and V line and the V sum none, so with rows at random
+// slots (pages of size 1) the scores waited on twice the traffic the block averages (docs/performance.md).
+constexpr bool kVLinesAhead = !kWideVectors;
+
+// Whether vector_weighted_v fetches those lines for pr: a bf16, fp16 or float8 cache (float32 measured no gain),
+// and the first query rows and all columns of a head go through weighted_v. Where not, the score pass fetches them.
+template <class L>
+static inline bool v_lines_in_v_pass(const Problem& pr) {
+  return kVLinesAhead && sizeof(typename L::T) < 4 && pr.G != 3 && pr.Dv % 64 == 0;
+}
+
 // out[g, :] = v_mul * sum_p w[g, p] * V[slot p, :] for GN query rows and DN x 16 columns, in registers. A bf16 V
 // row is read 32 elements a vector and split into its even and odd elements (a shift and a mask, no widening
 // shuffles), the sums kept in that order and interleaved back once at the end.
 template <class L, int GN, int DN>
 static inline void weighted_v(const typename L::T* vb, const int64_t* slot, const uint8_t* val, int64_t B,
-                              int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv, float v_mul) {
+                              int64_t v_row, const float* w, int64_t Bp, float* out, int64_t Dv, float v_mul,
+                              const typename L::T* next) {
 #if !defined(__AVX512F__)
   // AVX2: CH 16-column chunks a pass over the positions, GN x CH x 2 half sums in 8 of the 16 registers (GN x DN
-  // v16 sums were 32 registers); a bf16 chunk is one 32-byte load split into its even and odd elements
+  // v16 sums were 32 registers); a bf16 chunk is one 32-byte load split into its even and odd elements. next (or
+  // null): the same columns of the next head, whose lines are fetched into L2 over the passes (vector_weighted_v)
   constexpr int CH = GN >= 4 ? 1 : 4 / GN;
   static_assert(DN % CH == 0, "whole passes");
   for (int c0 = 0; c0 < DN; c0 += CH) {
@@ -23,6 +44,7 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
     for (int64_t p = 0; p < B; ++p) {
       if (!val[p]) continue;
       const typename L::T* vr = vb + slot[p] * v_row + 16 * c0;
+      if (next) prefetch_lines<2>(next + slot[p] * v_row + 16 * c0, 16 * CH * (int64_t)sizeof(typename L::T));
       v8f vv[CH][2];
       for (int c = 0; c < CH; ++c) {
         if constexpr (std::is_same<L, BF16>::value) {
@@ -53,6 +75,7 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
       }
   }
 #else
+  (void)next;
   constexpr bool split = std::is_same<L, BF16>::value && DN % 2 == 0;
   v16 acc[GN][DN] = {};
   for (int64_t p = 0; p < B; ++p) {
@@ -116,12 +139,6 @@ static void weighted_v_any(int gn, int dn, const typename L::T* vb, const int64_
 }
 
 
-// Whether v16 is one register (AVX-512); else the vector path's scores take AVX2 halves (kernel_math.h says why).
-#if defined(__AVX512F__)
-constexpr bool kWideVectors = true;
-#else
-constexpr bool kWideVectors = false;
-#endif
 
 // Scores of one block by vector dot products: s[r, p] for the R query rows, -inf at invalid positions. Each key
 // row is read once, for all query rows of its head. DV: D / 16 for a compiled-in head size (the key row lives in
@@ -137,25 +154,28 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
   const T* kc = static_cast<const T*>(pr.k);
   const T* vc = static_cast<const T*>(pr.v);
   const int64_t D = DV ? DV * 16 : pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv, R = hkv * G;
+  const bool v_in_pass = v_lines_in_v_pass<L>(pr);
   for (int64_t p = 0; p < B; ++p) {
     if (!val[p]) {
       for (int64_t r = 0; r < R; ++r) s[r * Bp + p] = -INFINITY;
       continue;
     }
-    // with PAIRS two valid positions at once (each query row loaded once for both key rows, their sums reduced
-    // together); their K and V lines then one position ahead of each, so the next pair's first comes a pair ahead
-    // (two ahead of each, as one position at a time takes them, was slower: docs/performance.md)
-    const int64_t np = PAIRS && p + 1 < B && val[p + 1] ? 2 : 1, lookahead = np == 2 ? 1 : kPrefetch;
+    // with PAIRS, and in the AVX2 build, two valid positions at once (each query row loaded once for both key
+    // rows, their sums reduced together); their K and V lines then one position ahead of each, so the next pair's
+    // first comes a pair ahead (two ahead of each, as one position at a time takes them, was slower:
+    // docs/performance.md)
+    const int64_t np = (PAIRS || !kWideVectors) && p + 1 < B && val[p + 1] ? 2 : 1;
+    const int64_t lookahead = np == 2 ? 1 : kPrefetch;
     bool ahead[2], far[2];
     int64_t ps[2], pf[2];
     for (int64_t i = 0; i < np; ++i) {
       const int64_t x = p + i;
       ahead[i] = x + lookahead < B && val[x + lookahead];
       ps[i] = ahead[i] ? slot[x + lookahead] : 0;
-      // and K of position x + 8 into L2 where the slots are not in order (page size 1 after the pool has
+      // and K of position x + kFarKeys into L2 where the slots are not in order (page size 1 after the pool has
       // churned): rows in order the hardware streams by itself
-      far[i] = x + 8 < B && val[x + 8] && slot[x + 8] != slot[x] + 8;
-      pf[i] = far[i] ? slot[x + 8] : 0;
+      far[i] = x + kFarKeys < B && val[x + kFarKeys] && slot[x + kFarKeys] != slot[x] + kFarKeys;
+      pf[i] = far[i] ? slot[x + kFarKeys] : 0;
     }
     for (int64_t h = 0; h < hkv; ++h) {
       // the K and V lines of the positions ahead, head by head: spread over the heads' work, not issued as one
@@ -163,7 +183,8 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
       for (int64_t i = 0; i < np; ++i) {
         if (ahead[i]) {  // K for the next read, V kept a little longer (read after the block's softmax)
           prefetch_lines(kc + ps[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
-          prefetch_lines<2>(vc + ps[i] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
+          if (h == 0 || !v_in_pass)
+            prefetch_lines<2>(vc + ps[i] * pr.v_row + h * pr.v_head, Dv * (int64_t)sizeof(T));
         }
         if (far[i]) prefetch_lines<2>(kc + pf[i] * pr.k_row + h * pr.k_head, D * (int64_t)sizeof(T));
       }
@@ -207,33 +228,55 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
 #endif
       } else if (!kWideVectors) {
 #if !defined(__AVX512F__)
-        // AVX2: four query rows at a time against the key row read 16 elements a step (a row held in registers
-        // took 16 of the 16; its v16 sums went through memory), each row's v16 sum kept as two halves
+        // AVX2: four query rows against one key row, or (np == 2) two, 16 elements a step (key16: q is kept in
+        // its order), each query vector loaded once for both key rows
         const float* q0 = static_cast<const float*>(q) + h * G * D;
+        const T* kr1 = kc + slot[p + np - 1] * pr.k_row + h * pr.k_head;
         int64_t g = 0;
+        for (; g + 4 <= G && np == 2; g += 4) {
+          const float* qg = q0 + g * D;
+          v8f a[4][2] = {};
+          for (int64_t d = 0; d < D; d += 16) {
+            v8f k0[2], k1[2];
+            key16<L>(kr + d, k0), key16<L>(kr1 + d, k1);
+#if defined(__AVX__)  // loaded once: GCC would fold a float32 row's loads into every product
+            asm("" : "+x"(k0[0]), "+x"(k0[1]), "+x"(k1[0]), "+x"(k1[1]));
+#endif
+            for (int i = 0; i < 4; ++i) {
+              v8f x = loadf8(qg + i * D + d), y = loadf8(qg + i * D + d + 8);
+#if defined(__AVX__)
+              asm("" : "+x"(x), "+x"(y));  // likewise: one load for both key rows
+#endif
+              // a product and an FMA off the sum's chain, then one add on it (two FMAs on it were latency-bound)
+              a[i][0] += x * k0[0] + y * k0[1], a[i][1] += x * k1[0] + y * k1[1];
+            }
+          }
+          const v8f t = hsum8(a);
+          for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[2 * i], sp[(g + i) * Bp + 1] = t[2 * i + 1];
+        }
         for (; g + 4 <= G; g += 4) {
           const float* qg = q0 + g * D;
-          v8f a[4][2];
-          {
-            const v8f k0 = load8<L>(kr), k1 = load8<L>(kr + 8);
-            for (int i = 0; i < 4; ++i) a[i][0] = loadf8(qg + i * D) * k0, a[i][1] = loadf8(qg + i * D + 8) * k1;
-          }
-          for (int64_t d = 16; d < D; d += 16) {
-            const v8f k0 = load8<L>(kr + d), k1 = load8<L>(kr + d + 8);
+          v8f a[4][2] = {};
+          for (int64_t d = 0; d < D; d += 16) {
+            v8f k0[2];
+            key16<L>(kr + d, k0);
             for (int i = 0; i < 4; ++i)
-              a[i][0] += loadf8(qg + i * D + d) * k0, a[i][1] += loadf8(qg + i * D + d + 8) * k1;
+              a[i][0] += loadf8(qg + i * D + d) * k0[0], a[i][1] += loadf8(qg + i * D + d + 8) * k0[1];
           }
           const v4f t = hsum4_halves(a);
           for (int i = 0; i < 4; ++i) sp[(g + i) * Bp] = t[i];
         }
-        for (; g < G; ++g) {
-          v8f lo{}, hi{};
-          for (int64_t d = 0; d < D; d += 16) {
-            lo += loadf8(q0 + g * D + d) * load8<L>(kr + d);
-            hi += loadf8(q0 + g * D + d + 8) * load8<L>(kr + d + 8);
+        for (; g < G; ++g)
+          for (int64_t i = 0; i < np; ++i) {
+            const T* ki = i ? kr1 : kr;
+            v8f lo{}, hi{};
+            for (int64_t d = 0; d < D; d += 16) {
+              v8f k0[2];
+              key16<L>(ki + d, k0);
+              lo += loadf8(q0 + g * D + d) * k0[0], hi += loadf8(q0 + g * D + d + 8) * k0[1];
+            }
+            sp[g * Bp + i] = hsum_halves(lo, hi);
           }
-          sp[g * Bp] = hsum_halves(lo, hi);
-        }
 #endif
       } else if (DV && G % 4 == 0) {
         const float* q0 = static_cast<const float*>(q) + h * G * D;
@@ -269,22 +312,32 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
 // head 4 query rows x 64 output columns at a time.
 template <class L>
 static void vector_weighted_v(const Problem& pr, const int64_t* slot, const uint8_t* val, const float* s, int64_t Bp,
-                              float* oo) {
+                              float* oo, const int64_t* next_slot, const uint8_t* next_keep, const void* next_k) {
   typedef typename L::T T;
   const T* vc = static_cast<const T*>(pr.v);
   const int64_t G = pr.G, B = pr.B, Dv = pr.Dv;
-  for (int64_t h = 0; h < pr.hkv; ++h)
+  const bool ahead = v_lines_in_v_pass<L>(pr);
+  for (int64_t h = 0; h < pr.hkv; ++h) {
+    // AVX2: the next block's first kFarKeys key rows of this head, into L2 (the score pass fetches each later one
+    // kFarKeys positions ahead)
+    for (int64_t p = 0; ahead && next_slot && p < std::min(kFarKeys, B); ++p)
+      if (next_keep[p])
+        prefetch_lines<2>(static_cast<const T*>(next_k) + next_slot[p] * pr.k_row + h * pr.k_head,
+                          pr.D * (int64_t)sizeof(T));
     for (int64_t g0 = 0; g0 < G; g0 += 4)
       for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
         const int gn = (int)std::min<int64_t>(4, G - g0), dn = (int)(std::min<int64_t>(64, Dv - d0) / 16);
         const float* w = s + (h * G + g0) * Bp;
         float* out = oo + (h * G + g0) * Dv + d0;
         const T* vb = vc + h * pr.v_head + d0;
-        if (gn == 4 && dn == 4) weighted_v<L, 4, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-        else if (gn == 1 && dn == 4) weighted_v<L, 1, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
-        else if (gn == 2 && dn == 4) weighted_v<L, 2, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
+        // AVX2: the next head's V lines are fetched here, spread over this head's passes (kVLinesAhead)
+        const T* next = ahead && g0 == 0 && h + 1 < pr.hkv ? vb + pr.v_head : nullptr;
+        if (gn == 4 && dn == 4) weighted_v<L, 4, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul, next);
+        else if (gn == 1 && dn == 4) weighted_v<L, 1, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul, next);
+        else if (gn == 2 && dn == 4) weighted_v<L, 2, 4>(vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul, next);
         else weighted_v_any<L>(gn, dn, vb, slot, val, B, pr.v_row, w, Bp, out, Dv, pr.v_mul);
       }
+  }
 }
 
 // The block's softmax in place, per query row r of s [R, Bp] (positions B.. Bp padding; the vector path's layout):
