@@ -46,17 +46,7 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
       const typename L::T* vr = vb + slot[p] * v_row + 16 * c0;
       if (next) prefetch_lines<2>(next + slot[p] * v_row + 16 * c0, 16 * CH * (int64_t)sizeof(typename L::T));
       v8f vv[CH][2];
-      for (int c = 0; c < CH; ++c) {
-        if constexpr (std::is_same<L, BF16>::value) {
-          u32x8 x;
-          std::memcpy(&x, vr + 16 * c, 32);
-          const u32x8 even = x << 16, odd = x & 0xFFFF0000u;
-          std::memcpy(&vv[c][0], &even, 32);
-          std::memcpy(&vv[c][1], &odd, 32);
-        } else {
-          vv[c][0] = load8<L>(vr + 16 * c), vv[c][1] = load8<L>(vr + 16 * c + 8);
-        }
-      }
+      for (int c = 0; c < CH; ++c) key16<L>(vr + 16 * c, vv[c]);
       for (int g = 0; g < GN; ++g) {
         const v8f x = splat8(w[g * Bp + p]);
         for (int c = 0; c < CH; ++c) acc[g][c][0] += x * vv[c][0], acc[g][c][1] += x * vv[c][1];
