@@ -50,20 +50,30 @@ static void pack_wide_queries(const Problem& pr, int64_t row, WideScratch& ws) {
 // U key rows (kf [U, D], float32) against T groups of 16 query rows: out[u * T + t] = the 16 scores of position u.
 // (The rows copied side by side, float32 ones too: one base address for the U broadcasts, where U pointers into
 // the cache had been reloaded from the stack at every step.)
+#if defined(__AVX512F__)
+#define WIDE_PRODUCTS_LINKAGE static inline
+#else  // a function of its own: inlined into wide_block, its loop's addresses were reloaded from the stack
+#define WIDE_PRODUCTS_LINKAGE __attribute__((noinline)) static
+#endif
 template <int U, int T>
-static inline void wide_products(const float* kf, const float* q, int64_t D, v16* out) {
+WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_t D, v16* out) {
 #if !defined(__AVX512F__)
-  // AVX2: four positions against one group's two halves a pass (the U x T v16 sums were 16 to 32 registers)
+  // AVX2: four positions against one group's two halves a pass (the U x T v16 sums were 16 to 32 registers), the
+  // two query vectors loaded once a step (GCC would fold them into each of their four FMAs: 12 loads per 8 FMAs)
   static_assert(U % 4 == 0, "whole passes");
   for (int t = 0; t < T; ++t)
     for (int u0 = 0; u0 < U; u0 += 4) {
       v8f a[4][2] = {};
+      const float* qt = q + t * D * 16;
+      const float *k0 = kf + u0 * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
       for (int64_t d = 0; d < D; ++d) {
-        const v8f x0 = loadf8(q + (t * D + d) * 16), x1 = loadf8(q + (t * D + d) * 16 + 8);
-        for (int u = 0; u < 4; ++u) {
-          const v8f k = splat8(kf[(u0 + u) * D + d]);
-          a[u][0] += k * x0, a[u][1] += k * x1;
-        }
+        v8f x0 = loadf8(qt + d * 16), x1 = loadf8(qt + d * 16 + 8);
+#if defined(__AVX__)
+        asm("" : "+x"(x0), "+x"(x1));
+#endif
+        const v8f b0 = splat8(k0[d]), b1 = splat8(k1[d]), b2 = splat8(k2[d]), b3 = splat8(k3[d]);
+        a[0][0] += b0 * x0, a[0][1] += b0 * x1, a[1][0] += b1 * x0, a[1][1] += b1 * x1;
+        a[2][0] += b2 * x0, a[2][1] += b2 * x1, a[3][0] += b3 * x0, a[3][1] += b3 * x1;
       }
       for (int u = 0; u < 4; ++u) {
         float* o = reinterpret_cast<float*>(out + (u0 + u) * T + t);
