@@ -55,7 +55,7 @@ def balanced_orders(n: int) -> list[list[int]]:
 
     Why: a call leaves the caches holding what it read, so a candidate that always runs right after one reading the
     same data (one decode step after a verify over the same prefix) is timed warm and the others are not
-    (docs/performance.md has the numbers)."""
+    (docs/measuring.md has the numbers)."""
     if n <= 2:
         return [list(range(n))]
     first, lo, hi = [0], 1, n - 1

@@ -2,7 +2,7 @@
 
 Why: every backend runs the same projections, so their cost dilutes the attention difference the benchmark is
 about, and on the CI's AMD CPUs ATen's float32 ``linear`` (MKL) runs these projections several times slower
-than oneDNN (docs/performance.md). Serving stacks pack their CPU weights for oneDNN too (SGLang's CPU path
+than oneDNN (docs/measuring.md). Serving stacks pack their CPU weights for oneDNN too (SGLang's CPU path
 does). bfloat16/float16 ``linear`` already reaches oneDNN, and CUDA uses cuBLAS, so only CPU float32 is rerouted.
 
 The oneDNN call sits in an opaque op (``compiled_attn.compile_policy``) because inductor lowers

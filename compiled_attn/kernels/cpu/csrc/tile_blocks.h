@@ -8,7 +8,7 @@
 // Why: on the vector path every query row costs its own dot products per key row, so verify's 8-32 query rows per
 // KV head cost several times a decode's 4. A tile product takes 16 key rows against up to 16 query rows at once:
 // the time grows little with the rows. (At 4 rows the tiles sit mostly empty and the vector path, whose arithmetic
-// hides the reads better, is as fast: docs/performance.md has the side-by-side numbers.)
+// hides the reads better, is as fast: docs/measuring.md has the side-by-side numbers.)
 //
 // Per block (B positions, Bp = B rounded up to 32; only the 32-position chunks from the first valid position's to
 // the last's, and of those only chunks holding one: a request's last block is mostly padding):

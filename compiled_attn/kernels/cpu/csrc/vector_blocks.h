@@ -153,7 +153,7 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
     // with PAIRS, and in the AVX2 build, two valid positions at once (each query row loaded once for both key
     // rows, their sums reduced together); their K and V lines then one position ahead of each, so the next pair's
     // first comes a pair ahead (two ahead of each, as one position at a time takes them, was slower:
-    // docs/performance.md)
+    // docs/measuring.md)
     const int64_t np = (PAIRS || !kWideVectors) && p + 1 < B && val[p + 1] ? 2 : 1;
     const int64_t lookahead = np == 2 ? 1 : kPrefetch;
     bool ahead[2], far[2];
