@@ -61,6 +61,14 @@ template <> inline v8f load8<E4M3>(const uint8_t* p) {
   return half8_to_float((u16x8)(__builtin_convertvector(x, i16x8) << 7) & 0xBF80);
 }
 
+// Keeps x in a register for all its uses: GCC folds a loaded vector into every FMA that uses it (a memory operand,
+// so one load per product), which left the AVX2 loops that reuse a vector load-bound.
+static inline void in_register(v8f& x) {
+#if defined(__AVX__)
+  asm("" : "+x"(x));
+#endif
+}
+
 // 16 stored elements of a key row -> two float32 vectors, in the order the AVX2 scores keep the queries in
 // (key16_order): a bf16 row is one 32-byte load split into its even and odd elements (a shift and a mask, no
 // widening shuffles), other formats their first and last 8.

@@ -229,14 +229,10 @@ static void vector_scores(const Problem& pr, const int64_t* slot, const uint8_t*
           for (int64_t d = 0; d < D; d += 16) {
             v8f k0[2], k1[2];
             key16<L>(kr + d, k0), key16<L>(kr1 + d, k1);
-#if defined(__AVX__)  // loaded once: GCC would fold a float32 row's loads into every product
-            asm("" : "+x"(k0[0]), "+x"(k0[1]), "+x"(k1[0]), "+x"(k1[1]));
-#endif
+            for (int c = 0; c < 2; ++c) in_register(k0[c]), in_register(k1[c]);  // (a float32 row's loads)
             for (int i = 0; i < 4; ++i) {
               v8f x = loadf8(qg + i * D + d), y = loadf8(qg + i * D + d + 8);
-#if defined(__AVX__)
-              asm("" : "+x"(x), "+x"(y));  // likewise: one load for both key rows
-#endif
+              in_register(x), in_register(y);  // one load for both key rows
               // a product and an FMA off the sum's chain, then one add on it (two FMAs on it were latency-bound)
               a[i][0] += x * k0[0] + y * k0[1], a[i][1] += x * k1[0] + y * k1[1];
             }

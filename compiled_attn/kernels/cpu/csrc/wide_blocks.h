@@ -59,7 +59,7 @@ template <int U, int T>
 WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_t D, v16* out) {
 #if !defined(__AVX512F__)
   // AVX2: four positions against one group's two halves a pass (the U x T v16 sums were 16 to 32 registers), the
-  // two query vectors loaded once a step (GCC would fold them into each of their four FMAs: 12 loads per 8 FMAs)
+  // two query vectors loaded once a step (in_register; folded into their FMAs they made 12 loads per 8 FMAs)
   static_assert(U % 4 == 0, "whole passes");
   for (int t = 0; t < T; ++t)
     for (int u0 = 0; u0 < U; u0 += 4) {
@@ -68,9 +68,7 @@ WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_
       const float *k0 = kf + u0 * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
       for (int64_t d = 0; d < D; ++d) {
         v8f x0 = loadf8(qt + d * 16), x1 = loadf8(qt + d * 16 + 8);
-#if defined(__AVX__)
-        asm("" : "+x"(x0), "+x"(x1));
-#endif
+        in_register(x0), in_register(x1);
         const v8f b0 = splat8(k0[d]), b1 = splat8(k1[d]), b2 = splat8(k2[d]), b3 = splat8(k3[d]);
         a[0][0] += b0 * x0, a[0][1] += b0 * x1, a[1][0] += b1 * x0, a[1][1] += b1 * x1;
         a[2][0] += b2 * x0, a[2][1] += b2 * x1, a[3][0] += b3 * x0, a[3][1] += b3 * x1;
