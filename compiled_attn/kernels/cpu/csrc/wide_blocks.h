@@ -6,7 +6,7 @@
 // work per key grows with the rows at a poor rate (and at 32 rows verify had gone to the slower flash op). Here the
 // scores are outer products, lanes = 16 query rows: per key element one broadcast and one FMA per 16 rows, eight
 // independent sums in flight; they come out position-major, so the softmax is column_softmax.h's, and the V sum
-// broadcasts each weight over a value row read in place.
+// broadcasts each weight over a value row read in place (AVX2: bf16 and fp16 rows too, wide_in_place).
 #pragma once
 #include <type_traits>
 
@@ -23,13 +23,14 @@ struct WideScratch {
   std::vector<float> kf, vf;   // [8, D] key rows as float32; [kWideSpan, Dv] value rows (not for a float32 cache)
   std::vector<int64_t> ids;    // [Bp] the block's valid positions
   std::vector<const float*> vp;  // [kWideSpan] a span's value rows as float32 (in the cache, or in vf)
+  std::vector<const void*> vr;   // [kWideSpan] a span's value rows in the cache (wide_in_place)
 
   // pr: a work unit's problem (its KV heads); all_heads: the heads a row's packed queries hold
   void start(const Problem& pr, int64_t Bp, int64_t all_heads) {
     groups = pr.G / 16;
     cs.start(pr.hkv * groups, Bp, pr.hkv * pr.G, pr.Dv);
     qt.resize(all_heads * pr.G * pr.D), kf.resize(8 * pr.D), vf.resize(kWideSpan * pr.Dv), ids.resize(Bp);
-    vp.resize(kWideSpan);
+    vp.resize(kWideSpan), vr.resize(kWideSpan);
     q_row = -1;
   }
 };
@@ -93,6 +94,98 @@ WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_
 #endif
 }
 
+#if !defined(__AVX512F__)
+// AVX2 reads bf16 and fp16 rows in place (a conversion pass to float32 and its buffer had been 15-25% of an MLA
+// step; float8 rows, read four times by the V sums, stay converted once): the V sums through key16, whose bf16
+// order the running sums keep until the item's last block writes them.
+template <class L> constexpr bool wide_in_place() {
+  return std::is_same<L, BF16>::value || std::is_same<L, F16>::value;
+}
+
+// Four query rows' weighted sums over n value rows (vr) for nch 16-column chunks from cb (o: the rows' sums at cb).
+template <class L>
+static void wide_values_in_place(const void* const* vr, int64_t n, const int64_t* ids, const float* w, int64_t cb,
+                                 int64_t nch, float* o, int64_t Dv) {
+  typedef typename L::T T;
+  for (int64_t j = 0; j < nch; ++j) {
+    float* oj = o + 16 * j;
+    v8f a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = loadf8(oj + r * Dv), a[r][1] = loadf8(oj + r * Dv + 8);
+    for (int64_t i = 0; i < n; ++i) {
+      v8f v[2];
+      key16<L>(static_cast<const T*>(vr[i]) + cb + 16 * j, v);
+      const float* wp = w + ids[i] * 16;
+      for (int r = 0; r < 4; ++r) {
+        const v8f x = splat8(wp[r]);
+        a[r][0] += x * v[0], a[r][1] += x * v[1];
+      }
+    }
+    for (int r = 0; r < 4; ++r) storef8(oj + r * Dv, a[r][0]), storef8(oj + r * Dv + 8, a[r][1]);
+  }
+}
+
+// wide_products over U bf16 key rows in place (kr): per step two elements of four rows, each pair's 32 bits one
+// broadcast split into its even element (a shift) and its odd one (a mask).
+template <int U, int T>
+__attribute__((noinline)) static void wide_products_bf16(const uint16_t* const* kr, const float* q, int64_t D,
+                                                         v16* out) {
+  static_assert(U % 4 == 0, "whole passes");
+  for (int t = 0; t < T; ++t)
+    for (int u0 = 0; u0 < U; u0 += 4) {
+      v8f a[4][2] = {};
+      const float* qt = q + t * D * 16;
+      for (int64_t d = 0; d < D; d += 2) {
+        v8f x0 = loadf8(qt + d * 16), x1 = loadf8(qt + d * 16 + 8), y0 = loadf8(qt + d * 16 + 16),
+            y1 = loadf8(qt + d * 16 + 24);
+        in_register(x0), in_register(x1), in_register(y0), in_register(y1);
+        for (int u = 0; u < 4; ++u) {
+          float pair;
+          std::memcpy(&pair, kr[u0 + u] + d, 4);
+          const v8f wf = splat8(pair);
+          u32x8 w;
+          std::memcpy(&w, &wf, 32);
+          const u32x8 ei = w << 16, oi = w & 0xFFFF0000u;
+          v8f e, o;
+          std::memcpy(&e, &ei, 32), std::memcpy(&o, &oi, 32);
+          a[u][0] += e * x0, a[u][1] += e * x1;
+          a[u][0] += o * y0, a[u][1] += o * y1;
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        float* o = reinterpret_cast<float*>(out + (u0 + u) * T + t);
+        storef8(o, a[u][0]), storef8(o + 8, a[u][1]);
+      }
+    }
+}
+#else
+template <class L> constexpr bool wide_in_place() { return false; }
+#endif
+
+// AVX2 reads bf16 key rows in place too (wide_products_bf16).
+template <class L> constexpr bool wide_keys_in_place() {
+#if !defined(__AVX512F__)
+  return std::is_same<L, BF16>::value;
+#else
+  return false;
+#endif
+}
+
+// The scores of U = 4 (two) or 8 key rows (kr in the cache, kf: as float32 where not wide_keys_in_place) against
+// one or two groups of 16 query rows (q).
+template <class L>
+static inline void wide_scores(bool two, const typename L::T* const* kr, const float* kf, const float* q, int64_t D,
+                               v16* s) {
+#if !defined(__AVX512F__)
+  if constexpr (wide_keys_in_place<L>()) {
+    if (two) wide_products_bf16<4, 2>(kr, q, D, s);
+    else wide_products_bf16<8, 1>(kr, q, D, s);
+    return;
+  }
+#endif
+  if (two) wide_products<4, 2>(kf, q, D, s);
+  else wide_products<8, 1>(kf, q, D, s);
+}
+
 // One block, folded into its work item's running softmax (first / last as tile_block); qt: pr's first KV head's
 // packed queries (in ws.qt).
 template <class L>
@@ -123,18 +216,19 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
         const int U = two ? 4 : 8;
         const float* q = qt + (h * groups + t) * D * 16;
         for (int64_t i = 0; i < n; i += U) {
+          const T* kr[8];
           for (int u = 0; u < U; ++u) {
             const int64_t p = ws.ids[std::min<int64_t>(i + u, n - 1)];  // the last repeated past the end
-            const T* kr = kc + slot[p] * pr.k_row + h * pr.k_head;
-            row_to_float<L>(kr, D, 1.0f, ws.kf.data() + u * D);
+            const T* row = kc + slot[p] * pr.k_row + h * pr.k_head;
+            if constexpr (wide_keys_in_place<L>()) kr[u] = row;
+            else row_to_float<L>(row, D, 1.0f, ws.kf.data() + u * D);
             // the key rows two steps ahead (past the head's last, the next head's first)
             const int64_t a = i + 2 * U + u, ah = a < n ? h : h + 1, ai = a < n ? a : a - n;
             if (ah < hkv && ai < n)
               prefetch_lines(kc + slot[ws.ids[ai]] * pr.k_row + ah * pr.k_head, D * (int64_t)sizeof(T));
           }
           v16 s[8];
-          if (two) wide_products<4, 2>(ws.kf.data(), q, D, s);
-          else wide_products<8, 1>(ws.kf.data(), q, D, s);
+          wide_scores<L>(two, kr, ws.kf.data(), q, D, s);
           for (int u = 0; u < U && i + u < n; ++u)
             for (int tt = 0; tt < (two ? 2 : 1); ++tt)
               storef(cs.st.data() + ((h * groups + t + tt) * Bp + ws.ids[i + u]) * 16, s[u * (two ? 2 : 1) + tt]);
@@ -161,7 +255,9 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
         const int64_t i1 = std::min(n, i0 + kWideSpan);
         for (int64_t i = i0; i < i1; ++i) {  // the span's value rows: in place, or converted
           const T* vr = vc + slot[ws.ids[i]] * pr.v_row + h * pr.v_head;
-          if constexpr (std::is_same<L, F32>::value) {
+          if constexpr (wide_in_place<L>()) {
+            ws.vr[i - i0] = vr;
+          } else if constexpr (std::is_same<L, F32>::value) {
             ws.vp[i - i0] = vr;
           } else {
             row_to_float<L>(vr, Dv, 1.0f, ws.vf.data() + (i - i0) * Dv);
@@ -180,7 +276,12 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
               if (next_h < hkv) fetch_values(next_h, next_i0, std::min(n, next_i0 + kWideSpan), call++, calls);
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
-              weighted_rows_n<4>(nch, ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv);
+#if !defined(__AVX512F__)
+              if constexpr (wide_in_place<L>())
+                wide_values_in_place<L>(ws.vr.data(), i1 - i0, ws.ids.data() + i0, wr, cb, nch, o, Dv);
+              else
+#endif
+                weighted_rows_n<4>(nch, ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv);
             }
           }
         }
@@ -189,6 +290,17 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
   if (!last) return;
   write_max_and_sum(cs, 1.0f, mo, lo, row_of);
   const vnat mul = splatn(pr.v_mul);
+#if !defined(__AVX512F__)
+  if constexpr (wide_in_place<L>() && std::is_same<L, BF16>::value) {  // the sums in key16's bf16 order
+    for (int64_t r = 0; r < hkv * pr.G; ++r)
+      for (int64_t d = 0; d < Dv; d += 16) {
+        const v8f e = loadf8(cs.acc.data() + r * Dv + d), f = loadf8(cs.acc.data() + r * Dv + d + 8);
+        storef8(oo + r * Dv + d, __builtin_shufflevector(e, f, 0, 8, 1, 9, 2, 10, 3, 11) * mul);
+        storef8(oo + r * Dv + d + 8, __builtin_shufflevector(e, f, 4, 12, 5, 13, 6, 14, 7, 15) * mul);
+      }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < hkv * pr.G; ++r)
     for (int64_t d = 0; d < Dv; d += kNat) storen(oo + r * Dv + d, loadn(cs.acc.data() + r * Dv + d) * mul);
 }
