@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -52,9 +54,24 @@ def level_kernel(request, monkeypatch):
         pytest.skip(f"this CPU lacks {isa} (needs the flags {' '.join(ISA_LEVELS[isa][1])} and the levels below)")
     lib = cpu_kernel.library_for(isa)
     if lib is None:
+        _fail_where_a_compiler_is(ISA_LEVELS[isa][0])
         pytest.skip("no C++ compiler on this machine")
     monkeypatch.setattr(cpu_kernel, "library", lambda: lib)
     return isa, lib
+
+
+def _fail_where_a_compiler_is(march: str) -> None:
+    """With a C++ compiler on the PATH a build that failed is an error, raised here with the compiler's message: the
+    kernel's tests skip where no build exists, so a compile error would otherwise pass as skips."""
+    if shutil.which(os.environ.get("CXX") or "g++"):
+        cpu_kernel.load(cpu_kernel.build(march=march))
+
+
+def test_the_whole_cpu_build_compiles_where_a_compiler_is():
+    """The build the library uses by default (``-march=native``) exists wherever a compiler does."""
+    if cpu_kernel.library_for(None) is None:
+        _fail_where_a_compiler_is("native")
+        pytest.skip("no C++ compiler on this machine")
 
 
 def test_levels_follow_the_cpu_flags():

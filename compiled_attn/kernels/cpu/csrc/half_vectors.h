@@ -90,6 +90,16 @@ template <class L> static inline int64_t key16_order(int64_t i) {
   return i;
 }
 
+// 16 sums in key16's order (lo: its first 8 lanes, hi: its last 8) times mul, stored in element order at o.
+template <class L> static inline void store16_in_order(float* o, v8f lo, v8f hi, v8f mul) {
+  if constexpr (std::is_same<L, BF16>::value) {
+    storef8(o, __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11) * mul);
+    storef8(o + 8, __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15) * mul);
+  } else {
+    storef8(o, lo * mul), storef8(o + 8, hi * mul);
+  }
+}
+
 // The eight sums of a[i][j] (four rows i, two key rows j), lane 2 i + j.
 static inline v8f hsum8(const v8f (&a)[4][2]) {
   v8f x[4];

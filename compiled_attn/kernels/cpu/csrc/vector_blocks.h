@@ -53,16 +53,8 @@ static inline void weighted_v(const typename L::T* vb, const int64_t* slot, cons
       }
     }
     for (int g = 0; g < GN; ++g)
-      for (int c = 0; c < CH; ++c) {
-        float* o = out + g * Dv + 16 * (c0 + c);
-        const v8f e = acc[g][c][0], d = acc[g][c][1];
-        if constexpr (std::is_same<L, BF16>::value) {
-          storef8(o, __builtin_shufflevector(e, d, 0, 8, 1, 9, 2, 10, 3, 11) * v_mul);
-          storef8(o + 8, __builtin_shufflevector(e, d, 4, 12, 5, 13, 6, 14, 7, 15) * v_mul);
-        } else {
-          storef8(o, e * v_mul), storef8(o + 8, d * v_mul);
-        }
-      }
+      for (int c = 0; c < CH; ++c)
+        store16_in_order<L>(out + g * Dv + 16 * (c0 + c), acc[g][c][0], acc[g][c][1], splat8(v_mul));
   }
 #else
   (void)next;

@@ -95,9 +95,9 @@ WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_
 }
 
 #if !defined(__AVX512F__)
-// AVX2 reads bf16 and fp16 rows in place (a conversion pass to float32 and its buffer had been 15-25% of an MLA
-// step; float8 rows, read four times by the V sums, stay converted once): the V sums through key16, whose bf16
-// order the running sums keep until the item's last block writes them.
+// AVX2 reads bf16 and fp16 rows in place (converting each row to float32 first cost 15-25% of an MLA step; float8
+// rows, read four times by the V sums, stay converted once): the V sums through key16, whose order the running
+// sums keep until the item's last block writes them.
 template <class L> constexpr bool wide_in_place() {
   return std::is_same<L, BF16>::value || std::is_same<L, F16>::value;
 }
@@ -291,13 +291,11 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
   write_max_and_sum(cs, 1.0f, mo, lo, row_of);
   const vnat mul = splatn(pr.v_mul);
 #if !defined(__AVX512F__)
-  if constexpr (wide_in_place<L>() && std::is_same<L, BF16>::value) {  // the sums in key16's bf16 order
+  if constexpr (wide_in_place<L>()) {  // the sums in key16's order
     for (int64_t r = 0; r < hkv * pr.G; ++r)
-      for (int64_t d = 0; d < Dv; d += 16) {
-        const v8f e = loadf8(cs.acc.data() + r * Dv + d), f = loadf8(cs.acc.data() + r * Dv + d + 8);
-        storef8(oo + r * Dv + d, __builtin_shufflevector(e, f, 0, 8, 1, 9, 2, 10, 3, 11) * mul);
-        storef8(oo + r * Dv + d + 8, __builtin_shufflevector(e, f, 4, 12, 5, 13, 6, 14, 7, 15) * mul);
-      }
+      for (int64_t d = 0; d < Dv; d += 16)
+        store16_in_order<L>(oo + r * Dv + d, loadf8(cs.acc.data() + r * Dv + d),
+                            loadf8(cs.acc.data() + r * Dv + d + 8), mul);
     return;
   }
 #endif
