@@ -308,12 +308,12 @@ static inline v16 load_first(const float* p, int64_t n, float fill) {
   return loadf(x);
 }
 
-// NR query rows' weighted sums over n value rows (vp: the rows, float32; ids: where each one's weights are) for NCH x
-// 16 columns from cb: row j's o + j * Dv += w[ids[i] * 16 + j] times value row i's columns, in registers (each
-// value load serves the NR rows).
-template <int NR, int NCH>
-static inline void weighted_rows(const int64_t* ids, const float* const* vp, int64_t n, const float* w, int64_t cb,
-                                 float* o, int64_t Dv) {
+// NR query rows' weighted sums over n value rows (vp: the rows, float32 or, AVX2, L's rows read through key16, whose
+// column order the sums then keep; ids: where each one's weights are) for NCH x 16 columns from cb: row j's
+// o + j * Dv += w[ids[i] * 16 + j] times value row i's columns, in registers (each value load serves the NR rows).
+template <int NR, int NCH, class L = F32>
+static inline void weighted_rows(const int64_t* ids, const typename L::T* const* vp, int64_t n, const float* w,
+                                 int64_t cb, float* o, int64_t Dv) {
 #if !defined(__AVX512F__)
   // AVX2: CH chunks of 16 columns a pass over the value rows, NR x CH x 2 half sums in at most 8 registers (NR x
   // NCH v16 sums were up to 32)
@@ -326,9 +326,9 @@ static inline void weighted_rows(const int64_t* ids, const float* const* vp, int
         a[r][j][0] = loadf8(oj + r * Dv + 16 * j), a[r][j][1] = loadf8(oj + r * Dv + 16 * j + 8);
     for (int64_t i = 0; i < n; ++i) {
       const float* wp = w + ids[i] * 16;
-      const float* vr = vp[i] + cb + 16 * j0;
+      const typename L::T* vr = vp[i] + cb + 16 * j0;
       v8f v[CH][2];
-      for (int j = 0; j < CH; ++j) v[j][0] = loadf8(vr + 16 * j), v[j][1] = loadf8(vr + 16 * j + 8);
+      for (int j = 0; j < CH; ++j) key16<L>(vr + 16 * j, v[j]);
       for (int r = 0; r < NR; ++r) {
         const v8f wr = splat8(wp[r]);
         for (int j = 0; j < CH; ++j) a[r][j][0] += wr * v[j][0], a[r][j][1] += wr * v[j][1];
@@ -339,6 +339,7 @@ static inline void weighted_rows(const int64_t* ids, const float* const* vp, int
         storef8(oj + r * Dv + 16 * j, a[r][j][0]), storef8(oj + r * Dv + 16 * j + 8, a[r][j][1]);
   }
 #else
+  static_assert(std::is_same<L, F32>::value, "float32 rows");
   v16 a[NR][NCH];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NCH; ++j) a[r][j] = loadf(o + r * Dv + 16 * j);
@@ -359,14 +360,14 @@ static inline void weighted_rows(const int64_t* ids, const float* const* vp, int
 
 // weighted_rows for nch (1 to 4) chunks of 16 columns known at run time: each count compiled on its own, so that the
 // sums stay in registers.
-template <int NR>
-static inline void weighted_rows_n(int64_t nch, const int64_t* ids, const float* const* vp, int64_t n, const float* w,
-                                   int64_t cb, float* o, int64_t Dv) {
+template <int NR, class L = F32>
+static inline void weighted_rows_n(int64_t nch, const int64_t* ids, const typename L::T* const* vp, int64_t n,
+                                   const float* w, int64_t cb, float* o, int64_t Dv) {
   switch (nch) {
-    case 4: weighted_rows<NR, 4>(ids, vp, n, w, cb, o, Dv); break;
-    case 3: weighted_rows<NR, 3>(ids, vp, n, w, cb, o, Dv); break;
-    case 2: weighted_rows<NR, 2>(ids, vp, n, w, cb, o, Dv); break;
-    default: weighted_rows<NR, 1>(ids, vp, n, w, cb, o, Dv); break;
+    case 4: weighted_rows<NR, 4, L>(ids, vp, n, w, cb, o, Dv); break;
+    case 3: weighted_rows<NR, 3, L>(ids, vp, n, w, cb, o, Dv); break;
+    case 2: weighted_rows<NR, 2, L>(ids, vp, n, w, cb, o, Dv); break;
+    default: weighted_rows<NR, 1, L>(ids, vp, n, w, cb, o, Dv); break;
   }
 }
 

@@ -23,7 +23,7 @@ struct WideScratch {
   std::vector<float> kf, vf;   // [8, D] key rows as float32; [kWideSpan, Dv] value rows (not for a float32 cache)
   std::vector<int64_t> ids;    // [Bp] the block's valid positions
   std::vector<const float*> vp;  // [kWideSpan] a span's value rows as float32 (in the cache, or in vf)
-  std::vector<const void*> vr;   // [kWideSpan] a span's value rows in the cache (wide_in_place)
+  std::vector<const uint16_t*> vr;  // [kWideSpan] a span's bf16 or fp16 value rows in the cache (wide_in_place)
 
   // pr: a work unit's problem (its KV heads); all_heads: the heads a row's packed queries hold
   void start(const Problem& pr, int64_t Bp, int64_t all_heads) {
@@ -94,36 +94,27 @@ WIDE_PRODUCTS_LINKAGE void wide_products(const float* kf, const float* q, int64_
 #endif
 }
 
-#if !defined(__AVX512F__)
-// AVX2 reads bf16 and fp16 rows in place (converting each row to float32 first cost 15-25% of an MLA step; float8
-// rows, read four times by the V sums, stay converted once): the V sums through key16, whose order the running
-// sums keep until the item's last block writes them.
+// AVX2 reads bf16 and fp16 value rows in place (converting each row to float32 first cost 15-25% of an MLA step;
+// float8 rows, read four times by the V sums, stay converted once): the V sums (weighted_rows) through key16, whose
+// order the running sums keep until the item's last block writes them.
 template <class L> constexpr bool wide_in_place() {
+#if !defined(__AVX512F__)
   return std::is_same<L, BF16>::value || std::is_same<L, F16>::value;
+#else
+  return false;
+#endif
 }
 
-// Four query rows' weighted sums over n value rows (vr) for nch 16-column chunks from cb (o: the rows' sums at cb).
-template <class L>
-static void wide_values_in_place(const void* const* vr, int64_t n, const int64_t* ids, const float* w, int64_t cb,
-                                 int64_t nch, float* o, int64_t Dv) {
-  typedef typename L::T T;
-  for (int64_t j = 0; j < nch; ++j) {
-    float* oj = o + 16 * j;
-    v8f a[4][2];
-    for (int r = 0; r < 4; ++r) a[r][0] = loadf8(oj + r * Dv), a[r][1] = loadf8(oj + r * Dv + 8);
-    for (int64_t i = 0; i < n; ++i) {
-      v8f v[2];
-      key16<L>(static_cast<const T*>(vr[i]) + cb + 16 * j, v);
-      const float* wp = w + ids[i] * 16;
-      for (int r = 0; r < 4; ++r) {
-        const v8f x = splat8(wp[r]);
-        a[r][0] += x * v[0], a[r][1] += x * v[1];
-      }
-    }
-    for (int r = 0; r < 4; ++r) storef8(oj + r * Dv, a[r][0]), storef8(oj + r * Dv + 8, a[r][1]);
-  }
+// AVX2 reads bf16 key rows in place too (wide_products_bf16).
+template <class L> constexpr bool wide_keys_in_place() {
+#if !defined(__AVX512F__)
+  return std::is_same<L, BF16>::value;
+#else
+  return false;
+#endif
 }
 
+#if !defined(__AVX512F__)
 // wide_products over U bf16 key rows in place (kr): per step two elements of four rows, each pair's 32 bits one
 // broadcast split into its even element (a shift) and its odd one (a mask).
 template <int U, int T>
@@ -157,18 +148,7 @@ __attribute__((noinline)) static void wide_products_bf16(const uint16_t* const* 
       }
     }
 }
-#else
-template <class L> constexpr bool wide_in_place() { return false; }
 #endif
-
-// AVX2 reads bf16 key rows in place too (wide_products_bf16).
-template <class L> constexpr bool wide_keys_in_place() {
-#if !defined(__AVX512F__)
-  return std::is_same<L, BF16>::value;
-#else
-  return false;
-#endif
-}
 
 // The scores of U = 4 (two) or 8 key rows (kr in the cache, kf: as float32 where not wide_keys_in_place) against
 // one or two groups of 16 query rows (q).
@@ -276,11 +256,9 @@ static void wide_block(const Problem& pr, const float* qt, const int64_t* slot, 
               if (next_h < hkv) fetch_values(next_h, next_i0, std::min(n, next_i0 + kWideSpan), call++, calls);
               float* o = cs.acc.data() + (sb * 16 + rr) * Dv + cb;
               const float* wr = w + rr;
-#if !defined(__AVX512F__)
               if constexpr (wide_in_place<L>())
-                wide_values_in_place<L>(ws.vr.data(), i1 - i0, ws.ids.data() + i0, wr, cb, nch, o, Dv);
+                weighted_rows_n<4, L>(nch, ws.ids.data() + i0, ws.vr.data(), i1 - i0, wr, cb, o, Dv);
               else
-#endif
                 weighted_rows_n<4>(nch, ws.ids.data() + i0, ws.vp.data(), i1 - i0, wr, cb, o, Dv);
             }
           }
