@@ -155,7 +155,7 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     valid = np.zeros(capacity * block_size, dtype=np.bool_)
     valid[first:end] = True
     slots = slots.reshape(capacity, block_size)
-    units = torch.from_numpy(slots[:, ::unit] // unit) if unit > 1 else None
+    units = torch.from_numpy(_run_of(slots[:, ::unit], unit)) if unit > 1 else None
     index = DecodeIndex(block_req=_block_rows(nblk, capacity), slots=torch.from_numpy(slots),
                         valid=torch.from_numpy(valid.reshape(capacity, block_size)), unit=unit, units=units,
                         req_to_token=req_to_token, inputs=inputs)
@@ -164,6 +164,11 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
                                        kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
+
+
+def _run_of(slots: np.ndarray, unit: int) -> np.ndarray:
+    """``slots // unit``; a power of two by a shift (an integer division per entry costs twice the shift)."""
+    return slots >> (unit.bit_length() - 1) if unit & (unit - 1) == 0 else slots // unit
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,10 +3,13 @@ the key ranges, the step inputs, the block counts, the index through a slot tran
 of one row."""
 import math
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiled_attn import validate
 from compiled_attn.decode import SlotMap, _batched_index, _single_request_index
 from compiled_attn.plan import DecodeInputs, decode_blocks_needed, decode_kv_bounds, decode_kv_range, plan_decode
 from compiled_attn.validate import check_page_layout
@@ -55,7 +58,7 @@ def test_plan_decode_inputs_equal_the_tensor_form(data, page_size, block_size, w
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), page_size=st.sampled_from([1, 4, 16]), block_size=st.sampled_from([8, 16]))
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 6, 16]), block_size=st.sampled_from([8, 12, 16]))
 def test_single_request_index_through_a_slot_map_equals_the_tensor_form(data, page_size, block_size):
     """A batch of one indexed on the host through a slot translation (a hybrid sliding-window pool's window layer)
     has the tensor form's blocks: the translated slots, the masked positions' block-first slots, ``valid``."""
@@ -76,7 +79,7 @@ def test_single_request_index_through_a_slot_map_equals_the_tensor_form(data, pa
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), page_size=st.sampled_from([2, 4, 16]))
+@given(data=st.data(), page_size=st.sampled_from([2, 3, 4, 6, 16]))
 def test_one_row_page_check_agrees_with_the_batched_check(data, page_size):
     """A batch of one checks its page layout in numpy (``validate.row_keeps_pages``); it refuses exactly the tables
     the batched check refuses (the same row twice), with the same message: slots off their page offset, a page's
@@ -99,6 +102,37 @@ def test_one_row_page_check_agrees_with_the_batched_check(data, page_size):
         return None
 
     assert verdict([1]) == verdict([1, 1])
+
+
+@pytest.mark.parametrize("page_size", [3, 6, 16])
+def test_one_row_page_check_refuses_a_page_off_its_offset(page_size):
+    """A page whose slots are consecutive but start off a multiple of the page size breaks the layout (the runs a
+    gather reads would start inside another page), however many of its positions the range reads; the same row
+    with that page in place passes. Both page-size branches (a mask for powers of two, else a remainder)."""
+    pages = [5, 2, 7]
+    good = [pages[p // page_size] * page_size + p % page_size for p in range(3 * page_size)]
+    for shift in (1, page_size - 1):
+        bad = [s + shift if p // page_size == 1 else s for p, s in enumerate(good)]
+        for lo, hi in ((0, 3 * page_size), (page_size, page_size + 1), (page_size + 1, 2 * page_size)):
+            assert validate.row_keeps_pages(np.array(good[lo:hi], dtype=np.int32), lo, page_size)
+            assert not validate.row_keeps_pages(np.array(bad[lo:hi], dtype=np.int32), lo, page_size)
+
+
+@pytest.mark.parametrize("page_size, block_size", [(6, 12), (3, 9), (16, 64)])
+def test_single_request_index_runs_of_any_unit(page_size, block_size):
+    """The host index's runs (``slots // unit``) equal the tensor form's for units that are not powers of two
+    (6, 3) and for one that is (16), a range starting inside a run."""
+    unit = math.gcd(page_size, block_size)
+    width = 8 * block_size
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(page_size))
+    table = torch.stack([torch.zeros(width, dtype=torch.int32),
+                         (perm[torch.arange(width) // unit] * unit + torch.arange(width) % unit).int()])
+    lo, hi = unit + 1, width - 2
+    needed = int(decode_blocks_needed(torch.tensor([lo]), torch.tensor([hi]), block_size, page_size))
+    inputs = DecodeInputs(torch.tensor([1]), torch.tensor([lo]), torch.tensor([hi]), torch.arange(needed),
+                          torch.arange(block_size))
+    host, traced = _single_request_index(table, inputs, unit), _batched_index(table, inputs, unit)
+    assert host.units is not None and torch.equal(host.units, traced.units) and torch.equal(host.slots, traced.slots)
 
 
 def _plan_or_error(*args, **kwargs):
