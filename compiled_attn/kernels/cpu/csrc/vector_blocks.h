@@ -16,7 +16,7 @@ constexpr bool kWideVectors = false;
 // Where a block's lines are fetched from memory: the AVX2 build fetches only the first head's V lines while it
 // scores the block, each next head's during the V sum of the one before, and the next block's first key rows
 // during the V sum too: the score pass had fetched every K and V line and the V sum none, so with rows at random
-// slots (pages of size 1) the scores waited on twice the traffic the block averages (docs/performance.md).
+// slots (pages of size 1) the scores waited on twice the traffic the block averages (docs/kernel-performance.md).
 constexpr bool kVLinesAhead = !kWideVectors;
 
 // Whether vector_weighted_v fetches those lines for pr: a bf16, fp16 or float8 cache (float32 measured no gain),
