@@ -10,8 +10,8 @@
 // a bf16 query and enough query rows the tile path (tile_blocks.h) computes the same block with AMX products.
 // Invalid positions (past a request's end, a page's unwritten tail) are never read. A block's partials are those
 // of decode.matmul_partials: per query row the max score m, the sum of exp(score - m) and the unnormalised weighted
-// V sum; a block with no valid key gives the lowest float32, 0 and zeros. The merged form folds runs of a row's
-// blocks together as it computes them and then merges each row's partials into its output.
+// V sum; a block with no valid key gives the lowest float32, 0 and zeros. The kernel folds runs of a row's blocks
+// together as it computes them and then merges each row's partials into its output.
 //
 // Portable C++ with GCC/Clang vector extensions (kernel_math.h), built with -march=native; half precision
 // converts with F16C/AVX-512 instructions when the target has them.
@@ -57,7 +57,7 @@ static bool path_fits(const Problem& pr) {
 
 constexpr int64_t kUnitsPerThread = 2;  // work units a thread at least, where heads can be split (run_blocks)
 
-// Runs every block (the merged form: the used ones, then merges them). Returns kOk; kSlotOutside (kDraftSlotOutside)
+// Runs the used blocks, then merges each row's. Returns kOk; kSlotOutside (kDraftSlotOutside)
 // when a valid position's (a seen draft key's) slot lay outside the cache (left out, nothing read there);
 // kPathRefused when pr.path does not fit (nothing run).
 template <class L, int DV>
@@ -66,44 +66,38 @@ static int run_blocks(const Problem& problem) {
   Problem pr = problem;
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
   const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
-  // the merged form: each row's blocks in order (a counting sort of block_req), unused blocks dropped
-  std::vector<int64_t> first, order, token_rows;
-  if (pr.out) {
-    token_rows.resize(R);
-    for (int64_t i = 0; i < R; ++i) token_rows[i] = token_major_offset(0, i, pr.out_tokens, hkv, G, 1);
-    pr.token_rows = token_rows.data();
-    first.assign(pr.rows + 2, 0);
-    for (int64_t b = 0; b < pr.n; ++b) first[std::min(pr.block_req[b], pr.rows) + 1]++;
-    for (int64_t r = 0; r <= pr.rows; ++r) first[r + 1] += first[r];
-    order.resize(pr.n);
+  // each row's blocks in order (a counting sort of block_req), unused blocks dropped
+  std::vector<int64_t> first(pr.rows + 2, 0), order(pr.n), token_rows(R);
+  for (int64_t i = 0; i < R; ++i) token_rows[i] = token_major_offset(0, i, pr.out_tokens, hkv, G, 1);
+  pr.token_rows = token_rows.data();
+  for (int64_t b = 0; b < pr.n; ++b) first[std::min(pr.block_req[b], pr.rows) + 1]++;
+  for (int64_t r = 0; r <= pr.rows; ++r) first[r + 1] += first[r];
+  {
     std::vector<int64_t> fill(first.begin(), first.end() - 1);
     for (int64_t b = 0; b < pr.n; ++b) order[fill[std::min(pr.block_req[b], pr.rows)]++] = b;
   }
-  const int64_t used = pr.out ? first[pr.rows] : pr.n;  // the merged form computes order[0 .. used) only
-  auto block_at = [&](int64_t j) { return pr.out ? order[j] : j; };
-  // Work items: in the partials form one block each; in the merged form runs of up to `span` consecutive blocks of
-  // one row, folded together as they are computed, so that one partial per item is written out and merged (storing
-  // every block's partials to memory took a fifth of an instrumented single-thread run).
+  const int64_t used = first[pr.rows];  // order[0 .. used) is computed, the rest skipped
+  auto block_at = [&](int64_t j) { return order[j]; };
+  // Work items: runs of up to `span` consecutive blocks of one row, folded together as they are computed, so that
+  // one partial per item is written out and merged (storing every block's partials to memory took a fifth of an
+  // instrumented single-thread run).
   // Item it covers order[item_start[it] ..][: item_count[it]]; a row's items are consecutive (row_items).
-  std::vector<int64_t> item_start, item_count, row_items;
-  if (pr.out) {
-    const int64_t span = std::clamp<int64_t>(used / (4 * std::max(pr.threads, 1)), 1, 16);
-    row_items.assign(pr.rows + 1, 0);
-    for (int64_t r = 0; r < pr.rows; ++r) {
-      row_items[r] = (int64_t)item_start.size();
-      for (int64_t j = first[r]; j < first[r + 1]; j += span) {
-        item_start.push_back(j);
-        item_count.push_back(std::min(span, first[r + 1] - j));
-      }
+  std::vector<int64_t> item_start, item_count, row_items(pr.rows + 1, 0);
+  const int64_t span = std::clamp<int64_t>(used / (4 * std::max(pr.threads, 1)), 1, 16);
+  for (int64_t r = 0; r < pr.rows; ++r) {
+    row_items[r] = (int64_t)item_start.size();
+    for (int64_t j = first[r]; j < first[r + 1]; j += span) {
+      item_start.push_back(j);
+      item_count.push_back(std::min(span, first[r + 1] - j));
     }
-    row_items[pr.rows] = (int64_t)item_start.size();
   }
-  const int64_t items = pr.out ? (int64_t)item_start.size() : pr.n;
+  row_items[pr.rows] = (int64_t)item_start.size();
+  const int64_t items = (int64_t)item_start.size();
   // Work units: an item's blocks for a group of KV heads. Where a batch has few items (bs 1: a few blocks) whole
-  // items left a thread idle for most of a block, and the rows' merges ran on one thread: the merged form splits
-  // each item into hsplit groups of heads, the fewest that make kUnitsPerThread units a thread.
+  // items left a thread idle for most of a block, and the rows' merges ran on one thread: each item is split into
+  // hsplit groups of heads, the fewest that make kUnitsPerThread units a thread.
   int64_t hsplit = 1;
-  while (pr.out && hsplit < hkv && items * hsplit < kUnitsPerThread * pr.threads)
+  while (hsplit < hkv && items * hsplit < kUnitsPerThread * pr.threads)
     for (++hsplit; hkv % hsplit; ++hsplit) {}
   const int64_t hn = hkv / hsplit, units = items * hsplit;
   Problem unit_pr = pr;  // a unit's problem: its heads, from its first (unit_heads)
@@ -113,16 +107,16 @@ static int run_blocks(const Problem& problem) {
     up.k = static_cast<const T*>(pr.k) + h0 * pr.k_head;
     up.v = static_cast<const T*>(pr.v) + h0 * pr.v_head;
   };
-  // where an item leaves its partial: the partials form at its block, in the caller's m, l, o; the merged form at
-  // its item number, in scratch of its own (one partial per item, not a buffer for every block of the bucket)
+  // where an item leaves its partial: at its item number, in scratch of the call's own (one partial per item, not a
+  // buffer for every block of the bucket)
   Scratch<float> part_m, part_l, part_o;
-  if (pr.out) part_m.resize(items * R), part_l.resize(items * R), part_o.resize(items * R * Dv);
-  float* const pm = pr.out ? part_m.data() : pr.m;
-  float* const pl = pr.out ? part_l.data() : pr.l;
-  float* const po = pr.out ? part_o.data() : pr.o;
-  // the merged form's items longest first (the threads take them in turn: a long one left for last kept the other
-  // thread waiting at the merge)
-  std::vector<int64_t> by_size(pr.out ? items : 0);
+  part_m.resize(items * R), part_l.resize(items * R), part_o.resize(items * R * Dv);
+  float* const pm = part_m.data();
+  float* const pl = part_l.data();
+  float* const po = part_o.data();
+  // the items longest first (the threads take them in turn: a long one left for last kept the other thread waiting
+  // at the merge)
+  std::vector<int64_t> by_size(items);
   for (int64_t i = 0; i < (int64_t)by_size.size(); ++i) by_size[i] = i;
   std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t a, int64_t b) { return item_count[a] > item_count[b]; });
   const bool tiles = pr.path == kTile, wide = pr.path == kWide;
@@ -142,13 +136,13 @@ static int run_blocks(const Problem& problem) {
   qt.resize(tiles ? nrows * R * D : 0);
   std::atomic<int> outside{0};  // 1: a block's slot outside the caches, 2: a draft key's
   std::atomic<int64_t> next_unit{0};
-  const bool draft = pr.out && pr.draft_slots != nullptr;
+  const bool draft = pr.draft_slots != nullptr;
   const int64_t Rn = hn * G;  // a unit's query rows
 #pragma omp parallel num_threads(pr.threads)
   {
     const bool vector = !tiles && !wide;
     std::vector<float> s(vector ? Rn * Bp : 0), qv(vector && !pairs ? Rn * D : 0), bm(Rn), bl(Rn),
-        bo(pr.out && vector ? Rn * Dv : 0);
+        bo(vector ? Rn * Dv : 0);
     std::vector<uint16_t> qb(pairs ? Rn * D : 0);
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
@@ -173,7 +167,7 @@ static int run_blocks(const Problem& problem) {
     // before its write and written back after), the others after every item is done
     std::vector<float> acc(Dv), weights;
     Scratch<float> one_m, one_l, one_o, dm, dl, dout;  // (draft_partial writes what the merge reads)
-    if (pr.out) one_m.resize(R), one_l.resize(R), one_o.resize(R * Dv);
+    one_m.resize(R), one_l.resize(R), one_o.resize(R * Dv);
     if (draft) dm.resize(R), dl.resize(R), dout.resize(R * Dv);
     DraftScratch ds;
     if (draft) ds.start(pr);
@@ -206,9 +200,9 @@ static int run_blocks(const Problem& problem) {
 #pragma omp single
     next_unit.store(team, std::memory_order_relaxed);
     auto unit_blocks = [&](int64_t u, int64_t& it, int64_t& h0, int64_t& j0, int64_t& j1) {
-      it = pr.out ? by_size[u / hsplit] : u;
+      it = by_size[u / hsplit];
       h0 = u % hsplit * hn;
-      j0 = pr.out ? item_start[it] : it, j1 = j0 + (pr.out ? item_count[it] : 1);
+      j0 = item_start[it], j1 = j0 + item_count[it];
     };
     Problem up = unit_pr;
     int cur = 0;
@@ -224,10 +218,10 @@ static int run_blocks(const Problem& problem) {
       unit_blocks(u, it, h0, j0, j1);
       unit_heads(up, h0);
       if (!streamed) fill(block_at(j0), slots.data() + cur * B, keeps.data() + cur * B);
-      const int64_t b0 = block_at(j0), at = pr.out ? it : b0;  // at: the item's partial
-      const bool own = pr.out && one_item(pr.block_req[b0]);
-      float *m_at = (own ? one_m.data() : pm + at * R) + h0 * G, *l_at = (own ? one_l.data() : pl + at * R) + h0 * G;
-      float* o_at = (own ? one_o.data() : po + at * R * Dv) + h0 * G * Dv;
+      const int64_t b0 = block_at(j0);
+      const bool own = one_item(pr.block_req[b0]);  // the item's partial: in this thread's buffer, else at it
+      float *m_at = (own ? one_m.data() : pm + it * R) + h0 * G, *l_at = (own ? one_l.data() : pl + it * R) + h0 * G;
+      float* o_at = (own ? one_o.data() : po + it * R * Dv) + h0 * G * Dv;
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
         const int64_t b = block_at(j);
         int64_t* slot = slots.data() + cur * B;
@@ -290,15 +284,13 @@ static int run_blocks(const Problem& problem) {
     }
     if (tiles) ts.finish();
 #pragma omp barrier
-    if (pr.out) {
-      if (by_heads) {
-        for (int64_t r = 0; r < pr.rows; ++r)
-          for (int64_t hg = tid; hg < hsplit && !one_item(r); hg += team) finish_row(r, hg * hn);
-      } else {
+    if (by_heads) {
+      for (int64_t r = 0; r < pr.rows; ++r)
+        for (int64_t hg = tid; hg < hsplit && !one_item(r); hg += team) finish_row(r, hg * hn);
+    } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh)
-          if (!one_item(rh / hsplit)) finish_row(rh / hsplit, rh % hsplit * hn);
-      }
+      for (int64_t rh = 0; rh < pr.rows * hsplit; ++rh)
+        if (!one_item(rh / hsplit)) finish_row(rh / hsplit, rh % hsplit * hn);
     }
   }
   const int bad = outside.load();
@@ -317,14 +309,12 @@ static int run_head_size(const Problem& pr) {
 // shape and dtype before it calls; the indices the tables hold are checked here, in the pass that reads them.
 extern "C" int ca_run(const KernelCall* call) {
   const KernelCall& c = *call;
-  const bool merged = c.out != nullptr;
   if (c.D % 16 || c.Dv % 16) return kBadHeadSize;
-  // every block's row is a row of q (the merged form: or rows and past it, a bucket's unused blocks): checked here,
-  // where a bad one would index q, the counting sort's counts or the partials outside their memory
+  // every block's row is a row of q, or rows and past it (a bucket's unused blocks, skipped): checked here, where a
+  // negative one would index q or the counting sort's counts outside their memory
   for (int64_t b = 0; b < c.n; ++b)
-    if (c.block_req[b] < 0 || (!merged && c.block_req[b] >= c.q_rows)) return kBadBlockRow;
-  if (c.q_kind < 0 || c.q_kind > 2 || c.q_tokens < 1 || c.G % c.q_tokens || ((c.q_kind || c.q_tokens > 1) && !merged))
-    return kBadKind;
+    if (c.block_req[b] < 0) return kBadBlockRow;
+  if (c.q_kind < 0 || c.q_kind > 2 || c.q_tokens < 1 || c.G % c.q_tokens || c.out == nullptr) return kBadKind;
   // bf16 queries taken as they are (run_blocks converts them where the path needs float32)
   const bool bf16_as_is = c.q_kind == 1 && c.q_bf16_scale == 1.0f;
   const int64_t rows = c.rows, hkv = c.hkv, G = c.G, D = c.D;
@@ -341,7 +331,7 @@ extern "C" int ca_run(const KernelCall* call) {
   const float f = c.kind == 3 ? 256.0f : 1.0f;
   const float* q32 = bf16_as_is ? nullptr : qs.data() ? qs.data() : static_cast<const float*>(c.q);
   Problem pr{q32, c.block_req, c.runs, c.valid, c.k, c.v, c.k_row, c.k_head, c.v_row, c.v_head, c.n, hkv, G, D, c.Dv,
-             c.B, c.unit, c.num_slots, c.k_scale * f, c.v_scale * f, c.cap, c.m, c.l, c.o, c.threads, rows, c.sinks,
+             c.B, c.unit, c.num_slots, c.k_scale * f, c.v_scale * f, c.cap, c.threads, rows, c.sinks,
              c.out, c.q_tokens, c.out_bf16 != 0, c.q_bf16_scale, c.draft_slots, c.draft_mask, c.nd, c.tokens,
              bf16_as_is ? static_cast<const uint16_t*>(c.q) : nullptr};
   pr.path = c.path;

@@ -6,11 +6,11 @@
 
 struct KernelCall {
   int kind;    // the caches' dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2
-  int q_kind;  // the queries' dtype: 0 float32, 1 bfloat16, 2 float16 (the partials form: float32 only)
-  // the queries (a score is q . K times k_scale): the partials form [q_rows, hkv, G, D]; the merged form token-major
-  // [rows * q_tokens, hkv * G / q_tokens, D] (gather_queries)
+  int q_kind;  // the queries' dtype: 0 float32, 1 bfloat16, 2 float16
+  // the queries (a score is q . K times k_scale), token-major [rows * q_tokens, hkv * G / q_tokens, D]
+  // (gather_queries)
   const void* q;
-  int64_t q_rows, q_tokens;
+  int64_t q_tokens;
   const int64_t* block_req;  // [n] the query row of each block
   const int64_t* runs;       // [n, B / unit] the first slot / unit of each run of unit consecutive slots
   const uint8_t* valid;      // [n, B]
@@ -21,10 +21,10 @@ struct KernelCall {
   int64_t n, hkv, G, D, Dv, B, unit;
   float k_scale, v_scale, cap;
   float q_bf16_scale;  // > 0: q is a bfloat16 query times this scale (the tile path may take it), else 0
-  float *m, *l, *o;    // the partials form's output [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]; else unused
   int threads;
-  // the merged form (out not null): rows of the batch, sinks [hkv * G] or null, out token-major as q, bfloat16
-  // where out_bf16 else float32; verify's draft keys: draft_slots [>= rows, nd], draft_mask [>= rows, tokens, nd]
+  // rows of the batch (blocks of a row at or past it are skipped), sinks [hkv * G] or null, out token-major as q,
+  // bfloat16 where out_bf16 else float32; verify's draft keys: draft_slots [>= rows, nd], draft_mask [>= rows,
+  // tokens, nd]
   int64_t rows;
   const float* sinks;
   void* out;
@@ -43,7 +43,7 @@ enum KernelRc : int {
   kBadKind = 2,           // an unknown cache or query dtype, or a query layout the form does not take
   kSlotOutside = 3,       // a valid position's slot lies outside the caches (left out, never read)
   kPathRefused = 4,       // this build cannot run path for these shapes (nothing run)
-  kBadBlockRow = 5,       // a block's row is negative or (the partials form) not a row of q (nothing run)
+  kBadBlockRow = 5,       // a block's row is negative (nothing run)
   kDraftSlotOutside = 6,  // a draft key some token sees has its slot outside the caches (left out, never read)
 };
 

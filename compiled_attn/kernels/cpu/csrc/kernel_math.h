@@ -252,12 +252,11 @@ struct Problem {
   int64_t n, hkv, G, D, Dv, B, unit;
   int64_t num_slots;        // rows of the caches: a valid position's slot outside them is refused, never read
   float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
-  float *m, *l, *o;         // [n, hkv, G], [n, hkv, G], [n, hkv, G, Dv]: the partials form's output (else unused)
   int threads;
-  // merged form (out != nullptr): blocks whose block_req is >= rows are skipped, then each row's blocks are
-  // merged (log-sum-exp rule), with sinks [hkv * G] joining every denominator, into out: token-major [rows *
-  // out_tokens, hkv * G / out_tokens, Dv] (query row h * G + t * (G / out_tokens) + g of row r at token r *
-  // out_tokens + t, head h * G / out_tokens + g), float32 or (out_bf16) bfloat16
+  // blocks whose block_req is >= rows are skipped, then each row's blocks are merged (log-sum-exp rule), with
+  // sinks [hkv * G] joining every denominator, into out: token-major [rows * out_tokens, hkv * G / out_tokens, Dv]
+  // (query row h * G + t * (G / out_tokens) + g of row r at token r * out_tokens + t, head h * G / out_tokens + g),
+  // float32 or (out_bf16) bfloat16
   int64_t rows;
   const float* sinks;
   void* out;
@@ -265,15 +264,15 @@ struct Problem {
   bool out_bf16;
   // > 0: qs is a bfloat16 query times this scale, which the tile path (tile_blocks.h) takes back to bf16 exactly
   float q_bf16_scale;
-  // merged form, verify: nd more keys per row (draft_slots [rows, nd]), seen by query row i of a KV head where
+  // verify: nd more keys per row (draft_slots [rows, nd]), seen by query row i of a KV head where
   // draft_mask [rows, tokens, nd] shows them to its token i / (G / tokens); nullptr: none
   const int64_t* draft_slots;
   const uint8_t* draft_mask;
   int64_t nd, tokens;
-  // merged form: the bf16 queries as the caller holds them (token-major, out_tokens a row), where qs is null: the
+  // the bf16 queries as the caller holds them (token-major, out_tokens a row), where qs is null: the
   // tile path packs them as they are, other paths convert them first (run_blocks), the draft block a row at a time
   const uint16_t* q_bf16 = nullptr;
-  // merged form: [hkv * G] where query row i of a row lies among the row's token-major rows (token_major_offset's
+  // [hkv * G] where query row i of a row lies among the row's token-major rows (token_major_offset's
   // r = 0, width 1): the output's and the bf16 queries' offsets, looked up (their divisions per query row had cost
   // as much as the merge's arithmetic)
   const int64_t* token_rows = nullptr;
@@ -287,7 +286,7 @@ struct Problem {
 enum KernelPath : int { kVector = 0, kVectorBf16 = 1, kWide = 2, kTile = 3 };
 
 // Where query row i (h * G + t * (G / tokens) + g) of row r starts in token-major rows [rows * tokens, hkv * G /
-// tokens, width] (the queries as the caller holds them, the merged form's output): token r * tokens + t, head
+// tokens, width] (the queries as the caller holds them, the output): token r * tokens + t, head
 // h * G / tokens + g.
 static inline int64_t token_major_offset(int64_t r, int64_t i, int64_t tokens, int64_t hkv, int64_t G,
                                          int64_t width) {
@@ -295,7 +294,7 @@ static inline int64_t token_major_offset(int64_t r, int64_t i, int64_t tokens, i
   return ((r * tokens + t) * hkv * per_token + h * per_token + g) * width;
 }
 
-// Query row i of row r in the merged form's token-major bf16 queries.
+// Query row i of row r in the token-major bf16 queries.
 static inline const uint16_t* query_bf16(const Problem& pr, int64_t r, int64_t i) {
   return pr.q_bf16 + (r * pr.hkv * pr.G + pr.token_rows[i]) * pr.D;
 }

@@ -1,4 +1,4 @@
-// The decode kernel's merged form, per row: a run of blocks folded into one partial, the row's partials merged into
+// The decode kernel's merge, per row: a run of blocks folded into one partial, the row's partials merged into
 // its output, and verify's draft keys computed as one more partial of the row.
 #pragma once
 #include "kernel_math.h"

@@ -130,7 +130,7 @@ void run(const KernelCall& c, const at::Tensor& k_cache) {
                     "float32, bfloat16, float16 (return code ", rc, ")");
 }
 
-// The merged form (kernel.py's native_decode_blocks' arguments, the path by its number): q [num_rows * tokens, Hq, D]
+// The op (kernel.py's native_decode_blocks' arguments, the path by its number): q [num_rows * tokens, Hq, D]
 // -> [num_rows * tokens, Hq, Dv] in q's dtype.
 at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const at::Tensor& runs,
                          const at::Tensor& valid, int64_t unit, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -181,7 +181,7 @@ at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const
   at::Tensor out = at::empty({q.size(0), q.size(1), c.Dv}, q.options().dtype(out_dtype));
   if (c.n == 0 && !draft_slots) return out.zero_().to(q.scalar_type());  // nothing to merge: the kernel is not called
   const at::Tensor qc = q.contiguous();
-  c.q = qc.data_ptr(), c.q_rows = q.size(0), c.q_tokens = tokens, c.rows = num_rows;
+  c.q = qc.data_ptr(), c.q_tokens = tokens, c.rows = num_rows;
   c.k_scale = (float)k_scale, c.v_scale = (float)v_scale, c.cap = (float)logit_cap;
   c.q_bf16_scale = (float)q_bf16_scale, c.threads = at::get_num_threads();
   c.out = out.data_ptr(), c.out_bf16 = c.q_kind == 1;
