@@ -202,6 +202,20 @@ def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written file left
 
 
+def test_a_kernel_from_another_tree_links_that_trees_op(tmp_path):
+    """A build of a kernel source from another checkout (an A/B script's) compiles the op file beside it, whose
+    ``KernelCall`` struct is that tree's; a source with no op file beside it takes this package's."""
+    from compiled_attn.kernels.cpu.build import OP_SOURCE, op_source
+
+    other = tmp_path / "csrc"
+    other.mkdir()
+    (other / "block_partials.cpp").write_text(cpu_kernel.SOURCE.read_text())
+    assert op_source(other / "block_partials.cpp") == OP_SOURCE
+    (other / "torch_op.cpp").write_text(OP_SOURCE.read_text())
+    assert op_source(other / "block_partials.cpp") == other / "torch_op.cpp"
+    assert op_source(cpu_kernel.SOURCE) == OP_SOURCE
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq, bf16", [(4, False), (16, True)], ids=["vector", "tiles"])
 def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):

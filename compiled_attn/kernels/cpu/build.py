@@ -102,9 +102,9 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None = None,
           march: str = "native") -> Path:
-    """Compile ``source`` for ``march``, link it with the ops' object (``OP_SOURCE``, compiled first where the
-    folder lacks it) and torch's libraries into a shared library in ``out_dir`` (default ``cache_dir()``) unless an
-    identical build is there; returns its path. Raises ``RuntimeError`` (with the compiler's message) when it
+    """Compile ``source`` for ``march``, link it with the ops' object (``op_source(source)``, compiled first where
+    the folder lacks it) and torch's libraries into a shared library in ``out_dir`` (default ``cache_dir()``) unless
+    an identical build is there; returns its path. Raises ``RuntimeError`` (with the compiler's message) when it
     cannot."""
     cxx = cxx or os.environ.get("CXX") or "g++"
     exe = shutil.which(cxx)
@@ -117,7 +117,8 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None
     # the headers beside the source are part of it (it includes them by name)
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     out_dir = Path(out_dir) if out_dir is not None else cache_dir()
-    op_name = f"{OP_SOURCE.stem}-{_key(OP_SOURCE.read_text(), *headers, exe, version, *op_flags, torch.__version__)}.o"
+    op_file = op_source(source)
+    op_name = f"{op_file.stem}-{_key(op_file.read_text(), *headers, exe, version, *op_flags, torch.__version__)}.o"
     # the ops' object from the default cache where a build elsewhere finds it there (it is the same for any level)
     op_obj = next((d / op_name for d in (out_dir, cache_dir()) if (d / op_name).exists()), out_dir / op_name)
     key = _key(source.read_text(), *headers, exe, version, *flags, *link_flags, op_name, _cpu_flags())
@@ -126,14 +127,14 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     # the two compiles side by side (a second core hides the ops' one), then the link
-    op = _place(out_dir, op_obj, ".o", lambda tmp: [exe, *op_flags, "-c", str(OP_SOURCE), "-o", tmp])
+    op = _place(out_dir, op_obj, ".o", lambda tmp: [exe, *op_flags, "-c", str(op_file), "-o", tmp])
     fd, kernel_obj = tempfile.mkstemp(suffix=".o", dir=out_dir)  # serves this link only
     os.close(fd)
     try:
         done = subprocess.run([exe, *flags, "-c", str(source), "-o", kernel_obj], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed on {source.name}:\n{done.stderr[-2000:]}")
-        _finish(op, OP_SOURCE.name, cxx)
+        _finish(op, op_file.name, cxx)
         link = _place(out_dir, out, ".so", lambda tmp: [exe, "-shared", "-fopenmp", "-o", tmp, kernel_obj,
                                                          str(op_obj), *link_flags])
         _finish(link, f"the link of {out.name}", cxx)
@@ -143,6 +144,14 @@ def build(source: Path = SOURCE, out_dir: Path | None = None, *, cxx: str | None
     finally:
         os.unlink(kernel_obj)
     return out
+
+
+def op_source(source: Path) -> Path:
+    """The ops' file a build of ``source`` links: the ``torch_op.cpp`` beside it where there is one (the op and the
+    kernel from one tree: they share ``kernel_call.h``'s struct, so a kernel from another checkout, as an A/B
+    script builds, must not meet this package's op), else ``OP_SOURCE``."""
+    beside = Path(source).parent / OP_SOURCE.name
+    return beside if beside.exists() else OP_SOURCE
 
 
 class KernelLibrary(ctypes.CDLL):
