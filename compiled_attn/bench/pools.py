@@ -10,10 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv import write_kv
-
 PAD_SLOT = 0
-PAD_REQ_ROW = 0
 
 
 class SlotAllocator:
@@ -106,11 +103,6 @@ class MHAKVPool:
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer], self.v_buffers[layer]
 
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``loc: [n]``, ``k: [n, Hkv, D]``, ``v: [n, Hkv, Dv]``."""
-        write_kv(self.k_buffers[layer], loc, k)
-        write_kv(self.v_buffers[layer], loc, v)
-
 
 @dataclass
 class MLAKVPool:
@@ -132,7 +124,3 @@ class MLAKVPool:
         """Return ``(k_cache [S, 1, 576], v_cache [S, 1, 512])``; ``v_cache`` is a view sharing storage."""
         kv = self.kv_buffers[layer]
         return kv, kv[..., : self.kv_lora_rank]
-
-    def set_kv(self, layer: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """``c_kv: [n, 1, kv_lora_rank]`` (normalised latent), ``k_pe: [n, 1, qk_rope_head_dim]`` (roped key)."""
-        write_kv(self.kv_buffers[layer], loc, torch.cat([c_kv, k_pe], dim=-1))

@@ -93,7 +93,7 @@ class DeepSeekMLA(DecoderBase):
         q_pe = Rotary.apply(q_pe, cos, sin)
         k_pe = Rotary.apply(k_pe.reshape(n, 1, rope), cos, sin)
         kv_cache = caches[f"kv{layer}"]
-        write_kv(kv_cache, out_loc, torch.cat([latent[:, None, :], k_pe], dim=-1))  # = MLAKVPool.set_kv
+        write_kv(kv_cache, out_loc, torch.cat([latent[:, None, :], k_pe], dim=-1))
         if mode == "decode":
             o = self._absorbed(layer, q_nope, q_pe, kv_cache, attn)
         else:
