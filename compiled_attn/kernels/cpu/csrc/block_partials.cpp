@@ -77,7 +77,6 @@ static int run_blocks(const Problem& problem) {
     for (int64_t b = 0; b < pr.n; ++b) order[fill[std::min(pr.block_req[b], pr.rows)]++] = b;
   }
   const int64_t used = first[pr.rows];  // order[0 .. used) is computed, the rest skipped
-  auto block_at = [&](int64_t j) { return order[j]; };
   // Work items: runs of up to `span` consecutive blocks of one row, folded together as they are computed, so that
   // one partial per item is written out and merged (storing every block's partials to memory took a fifth of an
   // instrumented single-thread run).
@@ -131,7 +130,7 @@ static int run_blocks(const Problem& problem) {
   const bool pairs = pr.path == kVectorBf16;
   // the tile path's queries, packed once per call for every row a block reads
   int64_t nrows = 0;
-  for (int64_t j = 0; j < used && tiles; ++j) nrows = std::max(nrows, pr.block_req[block_at(j)] + 1);
+  for (int64_t j = 0; j < used && tiles; ++j) nrows = std::max(nrows, pr.block_req[order[j]] + 1);
   Scratch<uint16_t> qt;  // every row a block reads is packed before use
   qt.resize(tiles ? nrows * R * D : 0);
   std::atomic<int> outside{0};  // 1: a block's slot outside the caches, 2: a draft key's
@@ -217,25 +216,25 @@ static int run_blocks(const Problem& problem) {
       int64_t it, h0, j0, j1, next_u = units;
       unit_blocks(u, it, h0, j0, j1);
       unit_heads(up, h0);
-      if (!streamed) fill(block_at(j0), slots.data() + cur * B, keeps.data() + cur * B);
-      const int64_t b0 = block_at(j0);
+      const int64_t b0 = order[j0];
+      if (!streamed) fill(b0, slots.data() + cur * B, keeps.data() + cur * B);
       const bool own = one_item(pr.block_req[b0]);  // the item's partial: in this thread's buffer, else at it
       float *m_at = (own ? one_m.data() : pm + it * R) + h0 * G, *l_at = (own ? one_l.data() : pl + it * R) + h0 * G;
       float* o_at = (own ? one_o.data() : po + it * R * Dv) + h0 * G * Dv;
       for (int64_t j = j0; j < j1; ++j, cur ^= 1) {
-        const int64_t b = block_at(j);
+        const int64_t b = order[j];
         int64_t* slot = slots.data() + cur * B;
         uint8_t* keep = keeps.data() + cur * B;
         int64_t next_b = -1;
         const void* next_k = up.k;
         if (j + 1 < j1) {
-          next_b = block_at(j + 1);
+          next_b = order[j + 1];
         } else {
           next_u = claim_next(u);
           if (next_u < units) {
             int64_t nit, nh0, nj0, nj1;
             unit_blocks(next_u, nit, nh0, nj0, nj1);
-            next_b = block_at(nj0);
+            next_b = order[nj0];
             next_k = static_cast<const T*>(pr.k) + nh0 * pr.k_head;
           }
         }

@@ -40,7 +40,7 @@ struct KernelCall {
 enum KernelRc : int {
   kOk = 0,
   kBadHeadSize = 1,       // a head size not a multiple of 16
-  kBadKind = 2,           // an unknown cache or query dtype, or a query layout the form does not take
+  kBadKind = 2,           // an unknown cache or query dtype, a query layout it does not take, or no out
   kSlotOutside = 3,       // a valid position's slot lies outside the caches (left out, never read)
   kPathRefused = 4,       // this build cannot run path for these shapes (nothing run)
   kBadBlockRow = 5,       // a block's row is negative (nothing run)
