@@ -33,23 +33,14 @@ class DecodeIndex:
     slots:     [num_blocks, block_size] int64, KV slot of each block position; where invalid, the block's first
                slot (a slot its own request owns), and 0 in an unused block
     valid:     [num_blocks, block_size] bool, position lies inside its request's range
-    unit:      positions per gathered run: ``gcd(page_size, block_size)`` (1 for a token-granular cache)
-    units:     [num_blocks, block_size // unit] int64, run index (``slot // unit``) of each run's first slot
     req_to_token, inputs: what the index was built from, for the Triton kernel (None in one built by hand)
     """
 
     block_req: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
-    unit: int = 1
-    units: torch.Tensor | None = None
     req_to_token: torch.Tensor | None = field(default=None, repr=False, compare=False)
     inputs: DecodeInputs | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def runs(self) -> torch.Tensor:
-        """What a gather of ``unit``-slot runs indexes: ``units``, or ``slots`` when ``unit`` is 1."""
-        return self.slots if self.units is None else self.units
 
     @property
     def block_size(self) -> int:
@@ -106,23 +97,19 @@ def _batched_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
     start = kv_start[req] + (block_ids - firsts[req]) * block_size  # [num_blocks]
     pos = start[:, None] + block_offsets[None, :]  # [num_blocks, block_size]
     valid = used[:, None] & (pos < kv_hi[req][:, None])
-    if unit > 1:  # the first block starts at a run boundary: positions before kv_lo are masked
+    if unit > 1:  # the first block starts at a page boundary: positions before kv_lo are masked
         valid &= pos >= kv_lo[req][:, None]
     # A masked position gathers its block's first key, never a slot no request owns (padding or uninitialised
     # memory): a NaN gathered there survives any mask that multiplies or adds. Unused blocks read the padding slot.
     pos = torch.where(valid, pos, torch.where(used, start, 0)[:, None])
     slots = translate_slots(req_to_token[req_rows[req][:, None], pos].to(torch.int64), slot_map)
     slots = torch.where(used[:, None], slots, 0)
-    # a run's first position is valid, or is its block's start (same run as the block's first valid position), so
-    # its slot names the run; runs wholly past the end name the block's first run (read, then zeroed)
-    units = slots[:, ::unit] // unit if unit > 1 else None
     if slot_map is not None:  # a request's positions lie in its blocks in order: the block slots as one table row
         shift, width = firsts * block_size - kv_start, slots.numel()
         inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=(kv_lo + shift).clamp(0, width),
                                  kv_hi=(kv_hi + shift).clamp(0, width))
         req_to_token = slots.reshape(1, -1).to(torch.int32)
-    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, unit=unit, units=units,
-                       req_to_token=req_to_token, inputs=inputs)
+    return DecodeIndex(block_req=block_req, slots=slots, valid=valid, req_to_token=req_to_token, inputs=inputs)
 
 
 def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit: int,
@@ -155,20 +142,14 @@ def _single_request_index(req_to_token: torch.Tensor, inputs: DecodeInputs, unit
     valid = np.zeros(capacity * block_size, dtype=np.bool_)
     valid[first:end] = True
     slots = slots.reshape(capacity, block_size)
-    units = torch.from_numpy(_run_of(slots[:, ::unit], unit)) if unit > 1 else None
     index = DecodeIndex(block_req=_block_rows(nblk, capacity), slots=torch.from_numpy(slots),
-                        valid=torch.from_numpy(valid.reshape(capacity, block_size)), unit=unit, units=units,
-                        req_to_token=req_to_token, inputs=inputs)
+                        valid=torch.from_numpy(valid.reshape(capacity, block_size)), req_to_token=req_to_token,
+                        inputs=inputs)
     if slot_map is not None:  # the translated slots as the table (as the general form's)
         index.req_to_token = torch.from_numpy(raw[None].astype(np.int32))
         index.inputs = inputs._replace(req_rows=torch.zeros_like(req_rows), kv_lo=kv_lo - start,
                                        kv_hi=(kv_hi - start).clamp_max(raw.shape[0]))
     return index
-
-
-def _run_of(slots: np.ndarray, unit: int) -> np.ndarray:
-    """``slots // unit``; a power of two by a shift (an integer division per entry costs twice the shift)."""
-    return slots >> (unit.bit_length() - 1) if unit & (unit - 1) == 0 else slots // unit
 
 
 @functools.lru_cache(maxsize=256)
@@ -214,8 +195,8 @@ def decode_blocks(
     explain("decode_blocks", choice, q, k_cache, v_cache, hq // hkv)
     if choice.form == "kernel":  # blocks and merge in one call
         ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's (the kernel reads q as it is)
-        return native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, k_cache, v_cache,
-                                    ks * scale, vs, logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
+        return native_decode_blocks(q, index.block_req, index.slots, index.valid, k_cache, v_cache, ks * scale, vs,
+                                    logit_cap or 0.0, bs, sinks_by_kv_head(sinks, hkv, hq),
                                     bf16_query_scale(q, k_cache, 1.0), path=choice.path)
     if choice.form == "triton":
         return triton_decode_blocks(q, k_cache, v_cache, index, scale, logit_cap, *scale_pair(k_scale, v_scale),

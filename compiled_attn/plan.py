@@ -109,7 +109,8 @@ def cdiv(n, d):
 
 
 def gather_unit(page_size: int, block_size: int) -> int:
-    """Positions per gathered run of consecutive slots: ``gcd(page_size, block_size)`` (1 without pages)."""
+    """Where a request's blocks may start: at multiples of ``gcd(page_size, block_size)`` (1 without pages), so
+    that each block reads whole pages of the cache, runs of consecutive slots."""
     a, b = int(page_size), int(block_size)
     if a == 1:  # a token-granular cache, the common case
         return 1
@@ -120,7 +121,7 @@ def gather_unit(page_size: int, block_size: int) -> int:
 
 def aligned_kv_lo(kv_lo, unit: int):
     """Where a request's first block starts: ``kv_lo`` (an int or an int64 tensor) rounded down to a multiple of the
-    gather ``unit``, so each run lies in one page; the positions before ``kv_lo`` are masked."""
+    ``unit`` (``gather_unit``), a page's start; the positions before ``kv_lo`` are masked."""
     return kv_lo if unit == 1 else kv_lo - kv_lo % unit
 
 
@@ -233,9 +234,10 @@ def plan_decode(
 
     q: [bs, Hq, Dqk]; k_cache: [S, Hkv, Dqk]; v_cache: [S, Hkv, Dv]; req_to_token: [max_reqs, max_context_len];
     req_pool_indices, seq_lens (and encoder_lens): [bs]
-    check_slots: check that every req_to_token entry read is a slot of k_cache and, with ``page_size`` > 1, keeps
-        the page layout (a host read; a sync on CUDA). Turn it off only where the caller guarantees the table.
-    page_size: SGLang's ``--page-size``; K/V are gathered in runs of ``gcd(page_size, block_size)`` slots.
+    check_slots: check that every req_to_token entry read is a slot of k_cache (a host read; a sync on CUDA). Turn
+        it off only where the caller guarantees the table.
+    page_size: SGLang's ``--page-size``; blocks start at page boundaries (``gather_unit``). Every form reads each
+        position's own slot, so any table layout is read as it stands.
     """
     validate.check_qkv(q, k_cache, v_cache)
     if q.shape[0] == 1 and encoder_lens is None and not is_cross_attn:
@@ -256,11 +258,10 @@ def plan_decode(
     lo, hi = decode_kv_bounds(lens, enc, sliding_window, is_cross_attn)
     validate.check_kv_end(hi, req_to_token.shape[1], "encoder_lens" if is_cross_attn else
                           "encoder_lens + seq_lens" if encoder_lens is not None else "seq_lens")
-    if check_slots:  # from the first block's start, a run boundary: the few positions it reads before lo too
+    if check_slots:  # from the first block's start: the few positions it reads before lo too
         unit = gather_unit(page_size, block_size)
         start = lo if unit == 1 else [x - x % unit for x in lo]
         validate.check_slots(req_to_token, rows, start, hi, k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, start, hi, page_size)
     needed = total_blocks_needed(lo, hi, block_size, page_size)
     bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
     nblk = check_capacity("block_capacity", block_capacity, needed)
@@ -294,10 +295,9 @@ def _plan_one_request(q, k_cache, req_to_token, req_pool_indices, seq_lens, slid
     lo = 0 if window is None else max(n - 1 - window, 0)  # decode_kv_bounds
     unit = gather_unit(page_size, block_size)
     start = aligned_kv_lo(lo, unit)
-    if check_slots and n > start:  # validate.check_slots, check_page_layout
+    if check_slots and n > start:  # validate.check_slots
         slots = validate.host_row(req_to_token, row, start, n)
-        if slots is None or not validate.slots_fit(slots, k_cache.shape[0]) or (
-                page_size > 1 and not validate.row_keeps_pages(slots, start, page_size)):
+        if slots is None or not validate.slots_fit(slots, k_cache.shape[0]):
             return None
     needed = _range_blocks(lo, n, unit, block_size)
     bs_cap = 1 if batch_capacity is None else check_capacity("batch_capacity", batch_capacity, 1)
@@ -328,7 +328,7 @@ def plan_extend(
     """Validate an extend (prefill) batch and build its metadata, padded to ``batch_capacity`` rows.
 
     q: [num_tokens, Hq, Dqk] packed in request order, request i's queries at ``[extend_prefix_lens[i], seq_lens[i])``;
-    check_slots, page_size: as in ``plan_decode`` (extend gathers token by token: a page size only adds the check).
+    check_slots, page_size: as in ``plan_decode`` (extend reads each position's slot: the page size is only checked).
     """
     validate.check_qkv(q, k_cache, v_cache)
     validate.check_positive_int("page_size", page_size)
@@ -366,7 +366,6 @@ def plan_extend(
     if check_slots:
         hi = [a + n for a, n in zip(lo, kv_len, strict=True)]
         validate.check_slots(req_to_token, rows, lo, hi, k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, lo, hi, page_size)
     bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
     offsets = [*itertools.accumulate(ext[:-1], initial=0)][:bs] + [num_tokens] * (bs_cap - bs)  # padding: past q
     inputs = ExtendInputs(*int64_rows([rows, lo, kv_len, q_first, ext, offsets], bs_cap, device))

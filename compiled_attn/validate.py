@@ -15,7 +15,7 @@ import torch
 from graphs.row_inputs import check_slot_values as check_slot_values
 
 __all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "INDEX_DTYPES", "KV_DTYPES", "check_growth", "check_index_rows",
-           "check_kv_end", "check_page_layout", "check_positive_int", "check_positive_number", "check_qkv",
+           "check_kv_end", "check_positive_int", "check_positive_number", "check_qkv",
            "check_scales", "check_sinks", "check_slot_values", "check_slots", "check_tensor", "check_window_and_cap",
            "length_values", "table_rows"]
 
@@ -130,20 +130,6 @@ def slots_fit(slots: np.ndarray, num_slots: int) -> bool:
     return not slots.size or int(slots.view(f"u{slots.itemsize}").max()) < num_slots
 
 
-def row_keeps_pages(slots: np.ndarray, lo: int, page_size: int) -> bool:
-    """The slots of positions ``[lo, lo + len(slots))`` keep ``check_page_layout``'s layout: slot minus position is
-    a multiple of ``page_size``, the same for every position of a page."""
-    if slots.size < 1:
-        return True
-    shift = slots - np.arange(lo, lo + slots.size, dtype=slots.dtype)
-    # a power of two by its mask: an integer division per entry costs as much as the other ops together
-    if (shift & (page_size - 1) if page_size & (page_size - 1) == 0 else shift % page_size).any():
-        return False
-    moved = shift[1:] != shift[:-1]  # moved[i]: position lo + i + 1, which may jump where it starts a page
-    moved[(-lo - 1) % page_size::page_size] = False
-    return not moved.any()
-
-
 def check_kv_end(kv_end: Ints, width: int, what: str) -> None:
     """Every request's range ends within the table: ``kv_end`` ([bs] host tensor or ints) <= ``width``."""
     end = max(_values(kv_end), default=0)
@@ -223,34 +209,6 @@ def check_slots(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, num_
         raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} is not a KV slot: slots a batch "
                          f"reads must lie in [0, {num_slots}) (num_slots of k_cache); {int(bad.sum())} such "
                          f"entries")
-
-
-def check_page_layout(req_to_token: torch.Tensor, rows: Ints, lo: Ints, hi: Ints, page_size: int) -> None:
-    """A paged table (SGLang's allocator): positions ``[lo[i], hi[i])`` of row ``rows[i]`` sit in pages of
-    ``page_size`` consecutive slots, position ``p`` at offset ``p % page_size``; the page gathers read whole runs,
-    so a table that breaks this would read other requests' keys. rows, lo, hi: as ``check_slots``."""
-    if page_size == 1:
-        return
-    width = max(_values(hi), default=0)
-    if len(rows) == 0 or width <= 0:
-        return
-    one = host_row(req_to_token, int(rows[0]), int(lo[0]), width) if len(rows) == 1 else None
-    if one is not None and row_keeps_pages(one, int(lo[0]), page_size):
-        return
-    rows, lo, hi = (_host_tensor(t) for t in (rows, lo, hi))
-    used = req_to_token[rows.to(req_to_token.device), :width].cpu().to(torch.int64)  # [bs, width]
-    pos = torch.arange(width)
-    read = (pos >= lo[:, None]) & (pos < hi[:, None])
-    bad = used % page_size != pos % page_size  # at its offset in a page
-    # and the next position of the same page is the next slot
-    same_page = read[:, 1:] & read[:, :-1] & (pos[1:] % page_size != 0)
-    bad[:, 1:] |= same_page & (used[:, 1:] - used[:, :-1] != 1)
-    bad &= read
-    if bool(bad.any()):
-        i, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"req_to_token[{int(rows[i])}, {j}] = {int(used[i, j])} breaks the page layout of "
-                         f"page_size={page_size}: position {j} must be slot page_start + {j % page_size} of a page "
-                         f"of {page_size} consecutive slots starting at a multiple of {page_size}")
 
 
 def check_sinks(sinks, num_heads: int) -> None:

@@ -142,7 +142,7 @@ def verify_blocks(
     if choice.form == "kernel":  # the prefix blocks and the draft block, merged, in one call of the kernel
         p = index.prefix
         ks, vs = scale_pair(k_scale, v_scale)  # the softmax scale rides on K's
-        return native_decode_blocks(q, p.block_req, p.runs, p.valid, p.unit, k_cache, v_cache, ks * scale, vs,
+        return native_decode_blocks(q, p.block_req, p.slots, p.valid, k_cache, v_cache, ks * scale, vs,
                                     logit_cap or 0.0, bs, row_sinks, bf16_query_scale(q, k_cache, 1.0),
                                     index.draft_slots, index.draft_mask, k, path=choice.path)
     qg = q.view(bs, k, hkv, hq // hkv, q.shape[2]).transpose(1, 2).reshape(bs, hkv, -1, q.shape[2])

@@ -110,9 +110,8 @@ def plan_verify(
     prefix_host = torch.tensor(prefix, dtype=torch.int64)
     if custom_mask is not None:
         check_custom_mask(custom_mask, prefix_host, k, mask_layout, device)
-    if check_slots:  # from position 0, a run boundary
+    if check_slots:  # from position 0
         validate.check_slots(req_to_token, rows, [0] * bs, ends, k_cache.shape[0])
-        validate.check_page_layout(req_to_token, rows, [0] * bs, ends, page_size)
     validate.check_window_and_cap(sliding_window, None)
     needed = prefix_blocks_needed(prefix_host, k, block_size, page_size, sliding_window)
     bs_cap = check_capacity("batch_capacity", batch_capacity, bs)
@@ -137,7 +136,7 @@ def prefix_blocks_needed(prefix_lens: torch.Tensor, k: int, block_size: int, pag
 
 def window_start(prefix: torch.Tensor, k: int, window: int, unit: int) -> torch.Tensor:
     """[bs] where a windowed verify's prefix blocks start: the deepest draft token's first visible position, rounded
-    up to a multiple of the gather ``unit`` (keys every token sees, from a run boundary), at most ``prefix``."""
+    up to a multiple of the gather ``unit`` (keys every token sees, from a page boundary), at most ``prefix``."""
     first = (prefix + (k - 1 - window)).clamp_min(0)
     return torch.minimum(cdiv(first, unit) * unit, prefix)
 

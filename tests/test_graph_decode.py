@@ -108,9 +108,9 @@ def test_cpu_warmup_runs_the_decode_kernel_on_full_buckets(monkeypatch):
         pytest.skip("needs the C++ kernel (not built here)")
     calls = []
     real_native = decode.native_decode_blocks
-    def counting_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest, **kwargs):
+    def counting_native(qs, block_req, slots, valid, k, v, ks, vs, cap, rows, *rest, **kwargs):
         calls.append(int(valid[block_req < rows].sum()) // rows)  # keys per request (a warm-up's rows alike)
-        return real_native(qs, block_req, runs, valid, unit, k, v, ks, vs, cap, rows, *rest, **kwargs)
+        return real_native(qs, block_req, slots, valid, k, v, ks, vs, cap, rows, *rest, **kwargs)
 
     monkeypatch.setattr(decode, "native_decode_blocks", counting_native)
     shape, step, graphs, persistent = _setup(buckets=[1, 4], max_kv=512, compile=False)

@@ -24,9 +24,8 @@ def _call(hq=4, hkv=2, d=32, lens=(40, 70), page_size=1, block_size=16):
     meta = plan_decode(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, block_size=block_size,
                        page_size=page_size)
     index = build_decode_index(b.req_to_token, meta.inputs, page_size, host_form=False)
-    merged = dict(q=b.q, block_req=index.block_req, runs=index.runs, valid=index.valid, unit=index.unit,
-                  k_cache=b.k_cache, v_cache=b.v_cache, k_scale=d ** -0.5, v_scale=1.0, logit_cap=0.0,
-                  num_rows=len(lens))
+    merged = dict(q=b.q, block_req=index.block_req, slots=index.slots, valid=index.valid, k_cache=b.k_cache,
+                  v_cache=b.v_cache, k_scale=d ** -0.5, v_scale=1.0, logit_cap=0.0, num_rows=len(lens))
     return b, index, merged
 
 
@@ -71,16 +70,16 @@ def test_block_rows_against_q_and_the_batch():
                                               r"an unused block\)", block_req=bad)
     want = native_decode_blocks(**merged)
     unused = torch.cat([index.block_req, torch.tensor([2, 10 ** 6])])  # past the batch: unused blocks, skipped
-    runs = torch.cat([index.runs, torch.full((2, index.runs.shape[1]), 10 ** 9)])  # outside the cache: never read
+    slots = torch.cat([index.slots, torch.full((2, index.slots.shape[1]), 10 ** 9)])  # outside the cache: never read
     valid = torch.cat([index.valid, torch.ones(2, index.valid.shape[1], dtype=torch.bool)])
-    torch.testing.assert_close(native_decode_blocks(**{**merged, "block_req": unused, "runs": runs, "valid": valid}),
+    torch.testing.assert_close(native_decode_blocks(**{**merged, "block_req": unused, "slots": slots, "valid": valid}),
                                want, atol=0, rtol=0)
     gone = native_decode_blocks(**{**merged, "block_req": index.block_req + 2})  # every block unused
     assert gone.shape == (2, 4, 32) and (gone == 0).all()
 
 
 def test_block_counts_and_the_table_shapes():
-    """block_req, runs and valid must agree on the number of blocks n, runs on B // unit, unit must divide B; each
+    """block_req, slots and valid must agree on the number of blocks n, slots and valid on the block size B; each
     named with the limit it breaks."""
     _, index, args = _call()
     n, b = index.valid.shape
@@ -89,32 +88,33 @@ def test_block_counts_and_the_table_shapes():
     _raises(op, args, r"block_req must be int64 \[n\]", block_req=args["block_req"][None])
     _raises(op, args, rf"valid must be bool \[n={n}, B\], got bool \({n - 1}, {b}\)", valid=args["valid"][:-1])
     _raises(op, args, rf"valid must be bool \[n={n}, B\], got int64", valid=args["valid"].long())
-    _raises(op, args, rf"runs must be int64 \[n={n}, B // unit={b}\], got int64 \({n - 1}, {b}\)",
-            runs=args["runs"][:-1])
-    _raises(op, args, rf"runs must be int64 \[n={n}, B // unit={b}\], got int32", runs=args["runs"].int())
-    _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 3", unit=3)
-    _raises(op, args, rf"unit must be an int >= 1 dividing the block size {b}, got 0", unit=0)
+    _raises(op, args, rf"slots must be int64 \[n={n}, B={b}\], got int64 \({n - 1}, {b}\)",
+            slots=args["slots"][:-1])
+    _raises(op, args, rf"slots must be int64 \[n={n}, B={b}\], got int64 \({n}, {b // 2}\)",
+            slots=args["slots"][:, ::2].contiguous())
+    _raises(op, args, rf"slots must be int64 \[n={n}, B={b}\], got int32", slots=args["slots"].int())
 
 
 @pytest.mark.parametrize("hq, page_size", [(4, 1), (4, 16), (32, 16)], ids=["vector", "vector-pages", "wide"])
 def test_slots_of_valid_positions_against_the_caches(hq, page_size):
-    """A run naming slots past the caches' rows, before them, or so far past that its product with unit wraps
-    around int64, at a valid position: a ValueError naming runs and num_slots (the position is never read); the
-    same run at an invalid position is never read and no error. The vector path and (16 rows per KV head) the wide
-    one."""
+    """A slot past the caches' rows (just past, or far past), or before them, at a valid position: a ValueError
+    naming slots and num_slots (the position is never read); the same slot at an invalid position is never read
+    and no error. The vector path and (16 rows per KV head) the wide one."""
     b, index, merged = _call(hq=hq, page_size=page_size)
-    unit, slots = index.unit, b.k_cache.shape[0]
+    num_slots = b.k_cache.shape[0]
     assert index.valid[1, 0]
-    for run in (slots // unit + 3, -1, 2 ** 62 + 1):
-        runs = index.runs.clone()
-        runs[1, 0] = run
-        _raises(native_decode_blocks, merged, rf"runs names a KV slot outside the cache at a valid position "
-                                              rf"\(num_slots {slots}\)", runs=runs)
+    for slot in (num_slots, num_slots + 3, -1, 2 ** 62 + 1):
+        slots = index.slots.clone()
+        slots[1, 0] = slot
+        _raises(native_decode_blocks, merged, rf"slots names a KV slot outside the cache at a valid position "
+                                              rf"\(num_slots {num_slots}\)", slots=slots)
     valid = index.valid.clone()
-    valid[1, :unit] = False
-    runs = index.runs.clone()
-    runs[1, 0] = 2 ** 62 + 1
-    native_decode_blocks(**{**merged, "runs": runs, "valid": valid})
+    valid[1, 0] = False
+    slots = index.slots.clone()
+    slots[1, 0] = 2 ** 62 + 1
+    want = native_decode_blocks(**{**merged, "valid": valid})  # the position's own slot, masked the same
+    torch.testing.assert_close(native_decode_blocks(**{**merged, "slots": slots, "valid": valid}), want, atol=0,
+                               rtol=0)
 
 
 def test_caches_heads_head_sizes_and_dtypes():
@@ -132,8 +132,7 @@ def test_caches_heads_head_sizes_and_dtypes():
             k_cache=torch.cat([k, k], -1)[..., ::2])
     _raises(op, merged, r"k_cache must be \[num_slots, Hkv, D\], got float32 \(", k_cache=k.flatten(1))
     # a cache with fewer rows than the other: slots are checked against the smaller
-    runs = merged["runs"].clone()
-    short = v[: int(runs[0, 0]) * merged["unit"]]
+    short = v[: int(merged["slots"][0, 0])]
     _raises(native_decode_blocks, merged, rf"num_slots {short.shape[0]}", v_cache=short)
 
 

@@ -125,7 +125,7 @@ def _one_block_call(kv_dtype, q_bf16: bool, g: int, d: int, dv: int):
     k_cache = torch.randn(16, 1, d, generator=gen).to(kv_dtype)
     v_cache = torch.randn(16, 1, dv, generator=gen).to(kv_dtype)
     slots = torch.arange(16)
-    args = (q, torch.zeros(1, dtype=torch.long), slots[None], torch.ones(1, 16, dtype=torch.bool), 1, k_cache,
+    args = (q, torch.zeros(1, dtype=torch.long), slots[None], torch.ones(1, 16, dtype=torch.bool), k_cache,
             v_cache, d ** -0.5, 1.0, 0.0, 1, None, 1.0 if q_bf16 else 0.0)
     return args, keys_attention(q, [slots], k_cache, v_cache, k_scale=d ** -0.5)
 

@@ -6,7 +6,6 @@ build falling back to the portable matmul form."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ def _block_keys(index, n):
 def _each_block_alone(q, index, n, k_cache, v_cache, k_scale, v_scale, cap, q_bf16_scale=0.0, path=""):
     """The merged op with each of the first n blocks as a row of its own (row j: block j, its request's query): row
     j's output is then block j's softmax alone, [n, Hq, Dv]."""
-    return native_decode_blocks(q[index.block_req[:n]], torch.arange(n), index.runs[:n], index.valid[:n], index.unit,
+    return native_decode_blocks(q[index.block_req[:n]], torch.arange(n), index.slots[:n], index.valid[:n],
                                 k_cache, v_cache, k_scale, v_scale, cap, n, None, q_bf16_scale, path=path)
 
 
@@ -59,7 +58,6 @@ def test_blocks_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, 
     lens = [1, 17, 64, 200, 129]
     b, index = _batch(lens, hq=hq, hkv=hkv, d=d, page_size=page_size, block_size=block_size, kv_dtype=kv_dtype,
                       seed=d + page_size)
-    assert index.unit == math.gcd(page_size, block_size)
     if bf16_query and hq // hkv >= 8:
         pytest.skip("8+ rows per KV head: the tile path where there is one (test_tile_path_matches_float64)")
     # a bf16 query scaled in float32, q_bf16_scale saying by what: the kernel takes it back to bf16 exactly
@@ -72,7 +70,7 @@ def test_blocks_match_float64(kv_dtype, tol, hq, hkv, d, page_size, block_size, 
         out = _each_block_alone(q, index, n, b.k_cache, b.v_cache, k_scale, v_scale, cap, q_scale)
         want = keys_attention(q[index.block_req[:n]], keys, b.k_cache, b.v_cache, **scales)
         torch.testing.assert_close(out.double(), want, atol=tol * 4 * v_scale, rtol=tol)
-        out = native_decode_blocks(q, index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache,
+        out = native_decode_blocks(q, index.block_req, index.slots, index.valid, b.k_cache, b.v_cache,
                                    k_scale, v_scale, cap, len(lens), None, q_scale)
         want = keys_attention(q, rows, b.k_cache, b.v_cache, **scales)
         torch.testing.assert_close(out.double(), want, atol=tol * 4 * v_scale, rtol=tol)
@@ -91,10 +89,10 @@ def test_empty_block_and_no_blocks():
     assert (out[0] == 0).all() and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), keys_attention(q[index.block_req[:4]], _block_keys(index, 4), b.k_cache,
                                                             b.v_cache), atol=1e-5, rtol=1e-5)
-    out = native_decode_blocks(q, index.block_req, index.runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2)
+    out = native_decode_blocks(q, index.block_req, index.slots, valid, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2)
     rows = [b.req_to_token[b.rows[0], 16:40].long(), b.req_to_token[b.rows[1], :3].long()]  # block 0: slots 0-15
     torch.testing.assert_close(out.double(), keys_attention(q, rows, b.k_cache, b.v_cache), atol=1e-5, rtol=1e-5)
-    none = native_decode_blocks(q, index.block_req[:0], index.runs[:0], valid[:0], 1, b.k_cache, b.v_cache, 1.0, 1.0,
+    none = native_decode_blocks(q, index.block_req[:0], index.slots[:0], valid[:0], b.k_cache, b.v_cache, 1.0, 1.0,
                                 0.0, 2)
     assert none.shape == (2, 4, 64) and (none == 0).all()
 
@@ -133,7 +131,7 @@ def test_builds_for_other_instruction_sets_agree(march, tmp_path):
     # float32 arithmetic, the output in q's dtype, bf16 rounded as torch rounds (without AVX512-BF16: by moving bits)
     b, index = _batch([33, 70], hq=8, hkv=2, d=128, page_size=16, block_size=32, kv_dtype=torch.bfloat16)
     q = torch.randn(4, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
-    args = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2, None, 0.0,
+    args = (index.block_req, index.slots, index.valid, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2, None, 0.0,
             None, None, 2)
     outs = []
     for library in (cpu_kernel.library(), lib):
@@ -225,16 +223,16 @@ def test_slot_outside_the_cache_is_refused_not_read(page_size, hq, bf16):
     b, index = _batch([40, 70], hq=hq, hkv=2, d=64, page_size=page_size, block_size=16, kv_dtype=torch.bfloat16)
     q_scale = 0.125 if bf16 else 0.0
     q = (b.q.bfloat16().float() if bf16 else b.q) * 0.125
-    runs = index.runs.clone()
-    runs[1, 0] = b.k_cache.shape[0] // index.unit + 1000  # its first position is valid
+    block_slots = index.slots.clone()
+    block_slots[1, 0] = b.k_cache.shape[0] + 1000  # its first position is valid
     assert index.valid[1, 0]
     with pytest.raises(ValueError, match=rf"outside the cache at a valid position \(num_slots {b.k_cache.shape[0]}\)"):
-        native_decode_blocks(q, index.block_req, runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
-                             2, None, q_scale)
+        native_decode_blocks(q, index.block_req, block_slots, index.valid, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2,
+                             None, q_scale)
     # a draft key some token sees (verify's draft block, merged in the same op); one no token sees is never read
     slots = torch.tensor([[3, b.k_cache.shape[0] + 7], [5, 6]])
     shows = torch.tensor([[[True, False]], [[True, True]]])
-    draft = (index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2, None,
+    draft = (index.block_req, index.slots, index.valid, b.k_cache, b.v_cache, 1.0, 1.0, 0.0, 2, None,
              q_scale, slots)
     native_decode_blocks(q, *draft, shows)
     with pytest.raises(ValueError, match="outside the cache"):
@@ -302,16 +300,16 @@ def _check_tile_path(b, index, hkv, scale, scales_and_caps):
 
 
 def test_a_block_table_that_does_not_fit_is_refused():
-    """Shapes that disagree (block_req, runs, valid, unit), a block whose row is negative, and sinks of the wrong
+    """Shapes that disagree (block_req, slots, valid), a block whose row is negative, and sinks of the wrong
     size: each a ValueError naming it; nothing is read. Rows past the batch are a bucket's unused blocks: skipped."""
     b, index = _batch([33, 70], hq=8, hkv=2, d=64, page_size=16, block_size=32)
-    args = [b.q, index.block_req, index.runs, index.valid, index.unit, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2]
+    args = [b.q, index.block_req, index.slots, index.valid, b.k_cache, b.v_cache, 0.1, 1.0, 0.0, 2]
     want = reference_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens,
                                b.ext_lens, scale=0.1)
     torch.testing.assert_close(native_decode_blocks(*args).double(), want, atol=1e-5, rtol=1e-5)
     for at, bad, words in ((1, index.block_req.int(), "block_req must be int64"),
-                           (2, index.runs[:-1], "runs must be int64"),
-                           (3, index.valid[:, :8], "unit must be an int >= 1 dividing the block size 8"),
+                           (2, index.slots[:-1], "slots must be int64"),
+                           (3, index.valid[:, :8], r"slots must be int64 \[n=\d+, B=8\]"),
                            (1, index.block_req - 9, r"block_req holds a row outside \[0, 2\).*unused block")):
         with pytest.raises(ValueError, match=words):
             native_decode_blocks(*args[:at], bad, *args[at + 1:])

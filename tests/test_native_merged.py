@@ -25,10 +25,10 @@ def test_merged_decode_skips_unused_blocks_and_matches_float64(with_sinks):
     qs = scaled_queries(torch.cat([b.q, b.q[:1]]), 2, 0.125)
     n = int((index.block_req < 3).sum())
     block_req = torch.cat([index.block_req[:n], torch.full((5,), rows)])  # five unused blocks, as a bucket pads
-    runs = torch.cat([index.runs[:n], torch.full((5, index.runs.shape[1]), 10 ** 9)])  # never read
+    block_slots = torch.cat([index.slots[:n], torch.full((5, index.slots.shape[1]), 10 ** 9)])  # never read
     valid = torch.cat([index.valid[:n], torch.ones(5, index.valid.shape[1], dtype=torch.bool)])
     sinks = torch.randn(2, 4) if with_sinks else None
-    out = native_decode_blocks(qs.flatten(1, 2), block_req, runs, valid, 1, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
+    out = native_decode_blocks(qs.flatten(1, 2), block_req, block_slots, valid, b.k_cache, b.v_cache, 1.0, 1.0, 0.0,
                                rows, sinks).unflatten(1, (2, -1))  # q token-major, one token per row: [rows, Hq, D]
     assert (out[3] == 0).all()
     for r, length in enumerate([40, 130, 3]):
@@ -57,7 +57,7 @@ def _check_draft_merge(lens, *, hq, hkv, block_size, page_size, bf16, tokens=4, 
     g = torch.Generator().manual_seed(seed)
     n = int((index.block_req < len(lens)).sum())
     block_req = torch.cat([index.block_req[:n], torch.full((3,), rows)])
-    runs = torch.cat([index.runs[:n], torch.full((3, index.runs.shape[1]), 10 ** 9)])  # never read
+    block_slots = torch.cat([index.slots[:n], torch.full((3, index.slots.shape[1]), 10 ** 9)])  # never read
     valid = torch.cat([index.valid[:n], torch.ones(3, index.valid.shape[1], dtype=torch.bool)])
     written = torch.cat([b.req_to_token[b.rows[r], :ln].long() for r, ln in enumerate(lens)])  # others hold NaN
     slots = written[torch.randint(0, written.shape[0], (rows, nd), generator=g)]
@@ -67,8 +67,8 @@ def _check_draft_merge(lens, *, hq, hkv, block_size, page_size, bf16, tokens=4, 
     for cap, sink in ((0.0, None), (4.0, sinks)):
         q_tokens = ((qs / 0.125).view(rows, hkv, tokens, group, d).transpose(1, 2).reshape(rows * tokens, hq, d)
                     .to(q.dtype))
-        out = native_decode_blocks(q_tokens, block_req, runs, valid, index.unit, b.k_cache, b.v_cache, 0.125, 1.0,
-                                   cap, rows, sink, 1.0 if bf16 else 0.0, slots, shows, tokens)
+        out = native_decode_blocks(q_tokens, block_req, block_slots, valid, b.k_cache, b.v_cache, 0.125, 1.0, cap,
+                                   rows, sink, 1.0 if bf16 else 0.0, slots, shows, tokens)
         assert out.dtype == q.dtype and out.shape == (rows * tokens, hq, d)
         out = out.view(rows, tokens, hkv, group, d).transpose(1, 2).reshape(rows, hkv, G, d)  # as qs's rows
         assert (out[-1] == 0).all()

@@ -52,7 +52,7 @@ def test_scores_that_jump_in_a_late_block_match_float64(threads, page_size):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = native_decode_blocks(q, index.block_req[:n], index.runs[:n], index.valid[:n], index.unit, b.k_cache,
+        out = native_decode_blocks(q, index.block_req[:n], index.slots[:n], index.valid[:n], b.k_cache,
                                    b.v_cache, scale, 1.0, 0.0, len(lens), None, 1.0)
     finally:
         torch.set_num_threads(before)

@@ -163,10 +163,10 @@ def test_target_verify_soft_cap_and_bf16(monkeypatch):
     if native_available():  # the queries as the model holds them (token-major bf16 [bs * K, Hq, D], K tokens per
         # row), unscaled (the scale rides on K's) and marked bf16 (q_bf16_scale 1: tiles may run), with the draft
         # block's slots and mask
-        q, rows = calls[-1][0], calls[-1][10]
-        assert q.dtype == torch.bfloat16 and q.shape == (rows * K, g.num_heads, g.head_dim) and calls[-1][15] == K
-        assert calls[-1][7] == pytest.approx(g.sm_scale) and calls[-1][12] == 1.0
-        assert calls[-1][13].shape[1] == K and calls[-1][14].shape[1:] == (K, K)
+        q, rows = calls[-1][0], calls[-1][9]
+        assert q.dtype == torch.bfloat16 and q.shape == (rows * K, g.num_heads, g.head_dim) and calls[-1][14] == K
+        assert calls[-1][6] == pytest.approx(g.sm_scale) and calls[-1][11] == 1.0
+        assert calls[-1][12].shape[1] == K and calls[-1][13].shape[1:] == (K, K)
 
 
 def test_target_verify_errors():

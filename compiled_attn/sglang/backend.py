@@ -106,7 +106,7 @@ class CompiledAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.swa: SwaPool | None = swa_pool_of(self.token_to_kv_pool)  # hybrid sliding-window memory, or None
         self.block_size = block_size
-        # SGLang's --page-size: a request's pages are runs of consecutive slots, gathered as runs
+        # SGLang's --page-size: the decode blocks start at its pages' boundaries (gather_unit)
         self.page_size = int(getattr(self.token_to_kv_pool, "page_size", 1) or 1)
         kv_dtype = getattr(self.token_to_kv_pool, "dtype", None)
         if isinstance(kv_dtype, torch.dtype) and kv_dtype not in KV_DTYPES:
@@ -302,7 +302,7 @@ class CompiledAttnBackend(AttentionBackend):
 
     def check_full_slots(self, rows, lo, hi) -> None:
         """Over a hybrid sliding-window pool: the plans' table checks, against the full pool (``check_full_slots``)."""
-        check_full_slots(self.req_to_token, rows, lo, hi, self.swa.full_slots, self.page_size)
+        check_full_slots(self.req_to_token, rows, lo, hi, self.swa.full_slots)
 
     # ------------------------------------------------------------------ forward
 
@@ -362,7 +362,7 @@ class CompiledAttnBackend(AttentionBackend):
         i = meta.inputs
         if self.swa is not None:  # the plan's table checks, against the full pool (check_full_slots)
             start = aligned_kv_lo(i.kv_lo, gather_unit(meta.page_size, meta.block_size))
-            check_full_slots(self.req_to_token, i.req_rows, start, i.kv_hi, self.swa.full_slots, meta.page_size)
+            check_full_slots(self.req_to_token, i.req_rows, start, i.kv_hi, self.swa.full_slots)
         return build_decode_index(self.req_to_token, i, meta.page_size, slot_map=self._slot_map(key))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):

@@ -10,7 +10,7 @@ import torch
 from .. import choose_extend_form, extend_tiles, tile_index
 from ..decode import SlotMap, translate_slots
 from ..plan import cdiv, decode_kv_bounds, gather_unit, normalize_window, plan_extend, total_blocks_needed
-from ..validate import check_page_layout, check_slots
+from ..validate import check_slots
 
 #: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
@@ -199,14 +199,13 @@ def swa_pool_of(pool) -> SwaPool | None:
     return SwaPool(pool, int(rows))
 
 
-def check_full_slots(req_to_token: torch.Tensor, rows, lo, hi, num_slots: int, page_size: int) -> None:
-    """The host checks a plan makes of the table entries a batch reads (``validate.check_slots`` and, paged,
-    ``check_page_layout``; rows, lo, hi: [bs], read on the host), against the full pool's ``num_slots``: over a
-    hybrid sliding-window pool the plans skip theirs, which count the rows of the caches they are handed (a window
-    layer's, reached through the slot map, are fewer)."""
+def check_full_slots(req_to_token: torch.Tensor, rows, lo, hi, num_slots: int) -> None:
+    """The host check a plan makes of the table entries a batch reads (``validate.check_slots``; rows, lo, hi: [bs],
+    read on the host), against the full pool's ``num_slots``: over a hybrid sliding-window pool the plans skip
+    theirs, which count the rows of the caches they are handed (a window layer's, reached through the slot map, are
+    fewer)."""
     rows, lo, hi = (host_int64(None, t) for t in (rows, lo, hi))
     check_slots(req_to_token, rows, lo, hi, num_slots)
-    check_page_layout(req_to_token, rows, lo, hi, page_size)
 
 
 def extend_over_given_kv(q3, k, v, layer, fb, key, sinks=None):

@@ -216,8 +216,8 @@ def _rows_per_kv_head(q: torch.Tensor, k_cache: torch.Tensor, tokens: int = 1) -
 
 # a torch op rather than one ctypes struct: its schema checks the types, and the call costs less than ctypes'
 @opaque_op
-def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.Tensor, valid: torch.Tensor,
-                         unit: int, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
+def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float,
                          logit_cap: float, num_rows: int, sinks: torch.Tensor | None = None,
                          q_bf16_scale: float = 0.0, draft_slots: torch.Tensor | None = None,
                          draft_mask: torch.Tensor | None = None, tokens: int = 1, path: str = "") -> torch.Tensor:
@@ -226,12 +226,12 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
 
     q: [num_rows * tokens, Hq, D] float32, bf16 or fp16, token-major (row r's ``tokens`` queries at ``r * tokens``;
     decode: tokens = 1); a score is q . K times k_scale (the softmax scale rides on it). block_req: [n] int64, each
-    block's row; runs: [n, B // unit] int64 (``DecodeIndex.runs``); valid: [n, B] bool; k_cache: [num_slots, Hkv,
-    D], v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale: dequantisation
-    scales (1.0: none); logit_cap: soft-cap (0.0: none); sinks: [Hkv, G] float32 logits or None (G = tokens x
-    group); q_bf16_scale: ``bf16_query_scale``'s; path: one of ``PATHS``, "" for ``kernel_path``'s. Verify's draft
-    keys join each row's merge: draft_slots [>= num_rows, nd] int64, their slots; draft_mask [>= num_rows, tokens,
-    nd] bool, which of them each query token sees.
+    block's row; slots: [n, B] int64, each position's KV slot (``DecodeIndex.slots``); valid: [n, B] bool; k_cache:
+    [num_slots, Hkv, D], v_cache: [num_slots, Hkv, Dv] (a ``KINDS`` dtype, last dim contiguous); k_scale, v_scale:
+    dequantisation scales (1.0: none); logit_cap: soft-cap (0.0: none); sinks: [Hkv, G] float32 logits or None
+    (G = tokens x group); q_bf16_scale: ``bf16_query_scale``'s; path: one of ``PATHS``, "" for ``kernel_path``'s.
+    Verify's draft keys join each row's merge: draft_slots [>= num_rows, nd] int64, their slots; draft_mask
+    [>= num_rows, tokens, nd] bool, which of them each query token sees.
     -> [num_rows * tokens, Hq, Dv] in q.dtype (zeros for a row with no key). A slot outside the cache at a position
     read, a negative block row, tensors that do not fit or a path that does not serve the call: ValueError.
     Why one op: the blocks are merged straight from the kernel's scratch, where ATen ops would write them and read
@@ -239,12 +239,12 @@ def native_decode_blocks(q: torch.Tensor, block_req: torch.Tensor, runs: torch.T
     ops = _ops(library())
     g = _rows_per_kv_head(q, k_cache, tokens)
     number = _path_number(path, k_cache, q_bf16_scale, g, q.shape[-1], v_cache.shape[-1])
-    return ops.decode_blocks(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+    return ops.decode_blocks(q, block_req, slots, valid, k_cache, v_cache, k_scale, v_scale, logit_cap,
                              num_rows, sinks, q_bf16_scale, draft_slots, draft_mask, tokens, number)
 
 
 @torch.library.register_fake(native_decode_blocks)
-def _native_decode_blocks_fake(q, block_req, runs, valid, unit, k_cache, v_cache, k_scale, v_scale, logit_cap,
+def _native_decode_blocks_fake(q, block_req, slots, valid, k_cache, v_cache, k_scale, v_scale, logit_cap,
                                num_rows, sinks=None, q_bf16_scale=0.0, draft_slots=None, draft_mask=None, tokens=1,
                                path=""):
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[2]))

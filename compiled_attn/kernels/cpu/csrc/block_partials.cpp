@@ -65,7 +65,7 @@ static int run_blocks(const Problem& problem) {
   if (!path_fits<L, DV>(problem)) return kPathRefused;
   Problem pr = problem;
   const int64_t D = pr.D, G = pr.G, hkv = pr.hkv, B = pr.B, Dv = pr.Dv;
-  const int64_t nruns = B / pr.unit, R = hkv * G, Bp = (B + 31) / 32 * 32;
+  const int64_t R = hkv * G, Bp = (B + 31) / 32 * 32;
   // each row's blocks in order (a counting sort of block_req), unused blocks dropped
   std::vector<int64_t> first(pr.rows + 2, 0), order(pr.n), token_rows(R);
   for (int64_t i = 0; i < R; ++i) token_rows[i] = token_major_offset(0, i, pr.out_tokens, hkv, G, 1);
@@ -146,14 +146,12 @@ static int run_blocks(const Problem& problem) {
     // the current block's slots and validity, and the next one's (the tile path prefetches its keys)
     std::vector<int64_t> slots(2 * B);
     std::vector<uint8_t> keeps(2 * B);
-    // (a run checked before its product with unit: a huge one must not wrap into the caches)
-    const int64_t max_run = (pr.num_slots + pr.unit - 1) / pr.unit;
     auto fill = [&](int64_t b, int64_t* slot, uint8_t* keep) {
       for (int64_t p = 0; p < B; ++p) {
-        const int64_t run = pr.runs[b * nruns + p / pr.unit];
-        slot[p] = run >= 0 && run < max_run ? run * pr.unit + p % pr.unit : -1;
+        const int64_t s = pr.slots[b * B + p];
+        slot[p] = s >= 0 && s < pr.num_slots ? s : -1;
         keep[p] = pr.valid[b * B + p];
-        if (keep[p] && (slot[p] < 0 || slot[p] >= pr.num_slots)) {
+        if (keep[p] && slot[p] < 0) {
           keep[p] = 0;
           slot[p] = 0;
           outside.fetch_or(1, std::memory_order_relaxed);
@@ -329,8 +327,8 @@ extern "C" int ca_run(const KernelCall* call) {
   }
   const float f = c.kind == 3 ? 256.0f : 1.0f;
   const float* q32 = bf16_as_is ? nullptr : qs.data() ? qs.data() : static_cast<const float*>(c.q);
-  Problem pr{q32, c.block_req, c.runs, c.valid, c.k, c.v, c.k_row, c.k_head, c.v_row, c.v_head, c.n, hkv, G, D, c.Dv,
-             c.B, c.unit, c.num_slots, c.k_scale * f, c.v_scale * f, c.cap, c.threads, rows, c.sinks,
+  Problem pr{q32, c.block_req, c.slots, c.valid, c.k, c.v, c.k_row, c.k_head, c.v_row, c.v_head, c.n, hkv, G, D, c.Dv,
+             c.B, c.num_slots, c.k_scale * f, c.v_scale * f, c.cap, c.threads, rows, c.sinks,
              c.out, c.q_tokens, c.out_bf16 != 0, c.q_bf16_scale, c.draft_slots, c.draft_mask, c.nd, c.tokens,
              bf16_as_is ? static_cast<const uint16_t*>(c.q) : nullptr};
   pr.path = c.path;

@@ -12,13 +12,13 @@ struct KernelCall {
   const void* q;
   int64_t q_tokens;
   const int64_t* block_req;  // [n] the query row of each block
-  const int64_t* runs;       // [n, B / unit] the first slot / unit of each run of unit consecutive slots
+  const int64_t* slots;      // [n, B] the KV slot of each block position
   const uint8_t* valid;      // [n, B]
   const void* k;             // K element (slot, head, d) at slot * k_row + head * k_head + d; V likewise
   const void* v;
   int64_t k_row, k_head, v_row, v_head;
   int64_t num_slots;  // rows of both caches: a slot outside them is refused, never read
-  int64_t n, hkv, G, D, Dv, B, unit;
+  int64_t n, hkv, G, D, Dv, B;
   float k_scale, v_scale, cap;
   float q_bf16_scale;  // > 0: q is a bfloat16 query times this scale (the tile path may take it), else 0
   int threads;

@@ -244,12 +244,12 @@ static inline v16 vexp(v16 x) {
 struct Problem {
   const float* qs;           // [rows, hkv, G, D] queries: a score is qs . K times k_mul
   const int64_t* block_req;  // [n] query row of each block
-  const int64_t* runs;       // [n, B / unit] first slot / unit of each run of unit consecutive slots
+  const int64_t* slots;      // [n, B] KV slot of each block position
   const uint8_t* valid;      // [n, B]
   const void* k;             // cache rows: element (slot, head, d) at slot * k_row + head * k_head + d
   const void* v;
   int64_t k_row, k_head, v_row, v_head;
-  int64_t n, hkv, G, D, Dv, B, unit;
+  int64_t n, hkv, G, D, Dv, B;
   int64_t num_slots;        // rows of the caches: a valid position's slot outside them is refused, never read
   float k_mul, v_mul, cap;  // dequantisation scales (the E4M3 factor folded in); cap: logit soft-cap or 0
   int threads;

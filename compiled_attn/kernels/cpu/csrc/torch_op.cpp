@@ -82,12 +82,12 @@ void check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d, KernelCal
   c.hkv = k.size(1), c.D = d, c.Dv = v.size(2);
 }
 
-// The block table (DecodeIndex's): block_req [n] int64, valid [n, B] bool, runs [n, B // unit] int64, made
-// contiguous in `keep`. Fills the call's table fields.
-void check_blocks(const at::Tensor& block_req, const at::Tensor& runs, const at::Tensor& valid, int64_t unit,
-                  KernelCall& c, at::Tensor keep[3]) {
+// The block table (DecodeIndex's): block_req [n] int64, slots [n, B] int64, valid [n, B] bool, made contiguous in
+// `keep`. Fills the call's table fields.
+void check_blocks(const at::Tensor& block_req, const at::Tensor& slots, const at::Tensor& valid, KernelCall& c,
+                  at::Tensor keep[3]) {
   check_cpu("block_req", block_req);
-  check_cpu("runs", runs);
+  check_cpu("slots", slots);
   check_cpu("valid", valid);
   const int64_t n = block_req.dim() == 1 ? block_req.size(0) : -1;
   TORCH_CHECK_VALUE(block_req.scalar_type() == at::kLong && n >= 0, "block_req must be int64 [n], got ",
@@ -95,15 +95,12 @@ void check_blocks(const at::Tensor& block_req, const at::Tensor& runs, const at:
   TORCH_CHECK_VALUE(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.size(0) == n,
                     "valid must be bool [n=", n, ", B], got ", described(valid));
   const int64_t b = valid.size(1);
-  TORCH_CHECK_VALUE(unit >= 1 && b % unit == 0, "unit must be an int >= 1 dividing the block size ", b, ", got ",
-                    unit);
-  TORCH_CHECK_VALUE(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(0) == n &&
-                        runs.size(1) == b / unit,
-                    "runs must be int64 [n=", n, ", B // unit=", b / unit, "], got ", described(runs));
-  keep[0] = block_req.contiguous(), keep[1] = runs.contiguous(), keep[2] = valid.contiguous();
-  c.block_req = keep[0].data_ptr<int64_t>(), c.runs = keep[1].data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == n && slots.size(1) == b,
+                    "slots must be int64 [n=", n, ", B=", b, "], got ", described(slots));
+  keep[0] = block_req.contiguous(), keep[1] = slots.contiguous(), keep[2] = valid.contiguous();
+  c.block_req = keep[0].data_ptr<int64_t>(), c.slots = keep[1].data_ptr<int64_t>();
   c.valid = static_cast<const uint8_t*>(keep[2].data_ptr());
-  c.n = n, c.B = b, c.unit = unit;
+  c.n = n, c.B = b;
 }
 
 int64_t path_number(int64_t path) {
@@ -115,7 +112,7 @@ int64_t path_number(int64_t path) {
 void run(const KernelCall& c, const at::Tensor& k_cache) {
   const int rc = ca_run(&c);
   if (rc == kOk) return;
-  TORCH_CHECK_VALUE(rc != kSlotOutside, "native decode kernel: runs names a KV slot outside the cache at a valid "
+  TORCH_CHECK_VALUE(rc != kSlotOutside, "native decode kernel: slots names a KV slot outside the cache at a valid "
                     "position (num_slots ", c.num_slots, "): check req_to_token and the planned block table");
   TORCH_CHECK_VALUE(rc != kDraftSlotOutside, "native decode kernel: draft_slots names a KV slot outside the cache "
                     "that a draft token sees (num_slots ", c.num_slots, "): check the draft keys' slots");
@@ -132,8 +129,8 @@ void run(const KernelCall& c, const at::Tensor& k_cache) {
 
 // The op (kernel.py's native_decode_blocks' arguments, the path by its number): q [num_rows * tokens, Hq, D]
 // -> [num_rows * tokens, Hq, Dv] in q's dtype.
-at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const at::Tensor& runs,
-                         const at::Tensor& valid, int64_t unit, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const at::Tensor& slots,
+                         const at::Tensor& valid, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          double k_scale, double v_scale, double logit_cap, int64_t num_rows,
                          const std::optional<at::Tensor>& sinks, double q_bf16_scale,
                          const std::optional<at::Tensor>& draft_slots, const std::optional<at::Tensor>& draft_mask,
@@ -150,7 +147,7 @@ at::Tensor decode_blocks(const at::Tensor& q, const at::Tensor& block_req, const
                     "), D] in one of float32, bfloat16, float16, got ", described(q));
   check_caches(k_cache, v_cache, q.size(2), c);
   at::Tensor keep[6];
-  check_blocks(block_req, runs, valid, unit, c, keep);
+  check_blocks(block_req, slots, valid, c, keep);
   c.G = tokens * (q.size(1) / hkv);
   if (sinks) {
     check_cpu("sinks", *sinks);
@@ -202,7 +199,7 @@ extern "C" int ca_register_ops(const char* ns) {
   if (defs) return 0;
   try {
     auto d = std::make_unique<torch::Library>(torch::Library::DEF, ns, std::nullopt, __FILE__, __LINE__);
-    d->def("decode_blocks(Tensor q, Tensor block_req, Tensor runs, Tensor valid, int unit, Tensor k_cache, "
+    d->def("decode_blocks(Tensor q, Tensor block_req, Tensor slots, Tensor valid, Tensor k_cache, "
            "Tensor v_cache, float k_scale, float v_scale, float logit_cap, int num_rows, Tensor? sinks, "
            "float q_bf16_scale, Tensor? draft_slots, Tensor? draft_mask, int tokens, int path) -> Tensor");
     auto i = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CPU, __FILE__, __LINE__);
