@@ -1,10 +1,11 @@
-"""EAGLE speculative decoding in a live SGLang engine on CPU with ``--attention-backend compiled_attn``: greedy tokens
-equal the same engine's without speculation, and the drafts accepted are exactly the ones a simulation predicts.
+"""EAGLE speculative decoding in a live SGLang engine on CPU with ``--attention-backend compiled_attn``: the tokens are
+greedy decoding's, and the drafts accepted are exactly the ones a simulation predicts.
 
-One subprocess (as in ``test_live_engine.py``, whose helpers this reuses) starts five engines on the tiny Llama one
-after the other and generates ``NEW_TOKENS`` greedily for three prompts as one batch in each:
+One subprocess (as in ``test_live_engine.py``, whose helpers this reuses) starts engines on the tiny Llama one
+after the other and generates ``NEW_TOKENS`` greedily for three prompts as one batch in each; every run must give
+transformers' greedy tokens (which the tiny Llama's engine without speculation gives exactly,
+``test_live_engine``):
 
-- ``plain``: no speculation (the tokens every other run must reproduce);
 - ``eagle-chain`` / ``eagle-tree``: ``--speculative-algorithm EAGLE`` with the seeded random draft head of
   ``make_eagle`` (topk 1, 3 steps, 4 draft tokens; topk 4, 3 steps, 8 draft tokens). Its drafts are random, so
   the accept length stays near 1 (printed);
@@ -16,8 +17,10 @@ after the other and generates ``NEW_TOKENS`` greedily for three prompts as one b
   ``spec_verify_ct`` / ``spec_num_correct_drafts`` must equal it: drafts are accepted (accept length 2-3.2), and
   each one accepted proves the draft's attention, the tree and the verify agree with the target.
 
-The engine tests are marked ``live`` (about 2 min on 2 cores); ``make_eagle``'s layout and ``serve``'s checks for
-speculative flags on CPU are plain tests.
+CI's default run starts ``eagle-chain`` and ``self-tree`` (a chain and a tree, the EAGLE head and a self-draft whose
+acceptance the simulation checks); ``COMPILED_ATTN_LIVE_ALL=1`` adds the other two. The engine tests are marked
+``live`` (about 1 min on 2 cores); ``make_eagle``'s layout and ``serve``'s checks for speculative flags on CPU are
+plain tests.
 """
 
 from __future__ import annotations
@@ -28,20 +31,29 @@ import sys
 import time
 
 import pytest
-from test_live_engine import ENGINE_KW, JOB_TIMEOUT_S, _child_env, _run_group, reference_model
+from test_live_engine import (
+    ALL_ENGINES,
+    ENGINE_KW,
+    JOB_TIMEOUT_S,
+    _child_env,
+    _run_group,
+    engine_params,
+    greedy_reference,
+    reference_model,
+)
 
 NEW_TOKENS = 16
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
 ENGINE = dict(ENGINE_KW, attention_backend="compiled_attn", disable_cuda_graph=True, page_size=1)
-# run name -> (speculative algorithm, draft: "eagle" head or "self", settings); None: no speculation
+# run name -> (speculative algorithm, draft: "eagle" head or "self", settings)
 RUNS = {
-    "plain": None,
     "eagle-chain": ("EAGLE", "eagle", CHAIN),
     "eagle-tree": ("EAGLE", "eagle", TREE),
     "self-chain": ("STANDALONE", "self", CHAIN),
     "self-tree": ("STANDALONE", "self", TREE),
 }
+DEFAULT_RUNS = ("eagle-chain", "self-tree")  # CI's default run; COMPILED_ATTN_LIVE_ALL=1: all
 META = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length")
 
 
@@ -55,17 +67,16 @@ def prompts() -> list[list[int]]:
 
 
 def _worker(spec: dict) -> dict:
-    """Each run's engine in turn (started, one batch generated, shut down); the results as a dict."""
+    """The engine of each of ``spec["runs"]`` in turn (started, one batch generated, shut down); the results as a
+    dict."""
     from compiled_attn.sglang import serve
 
     sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     out = {}
-    for name, run in RUNS.items():
-        kw = {}
-        if run is not None:
-            algorithm, draft, settings = run
-            kw = dict(settings, speculative_algorithm=algorithm,
-                      speculative_draft_model_path=spec["eagle_dir"] if draft == "eagle" else spec["model_dir"])
+    for name in spec["runs"]:
+        algorithm, draft, settings = RUNS[name]
+        kw = dict(settings, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=spec["eagle_dir"] if draft == "eagle" else spec["model_dir"])
         t0 = time.perf_counter()
         eng = serve.engine(model_path=spec["model_dir"], **ENGINE, **kw)
         try:
@@ -128,41 +139,41 @@ def simulate(model, prompt: list[int], topk: int, steps: int, num_draft: int, ne
 
 @pytest.fixture(scope="module")
 def eagle_runs(tmp_path_factory):
-    """The tiny Llama, its transformers model, its EAGLE head, and the subprocess's results."""
+    """The tiny Llama's transformers model, its greedy tokens, and the subprocess's results (its EAGLE head made)."""
     pytest.importorskip("sglang")
     from compiled_attn.sglang.make_eagle import make_eagle
 
     model_dir, model = reference_model("tiny-llama", tmp_path_factory)
     tmp = tmp_path_factory.mktemp("eagle")
-    spec = dict(model_dir=model_dir, eagle_dir=make_eagle(model_dir, str(tmp / "eagle")), out=str(tmp / "out.json"))
+    spec = dict(model_dir=model_dir, eagle_dir=make_eagle(model_dir, str(tmp / "eagle")), out=str(tmp / "out.json"),
+                runs=[name for name in RUNS if ALL_ENGINES or name in DEFAULT_RUNS])
     t0 = time.perf_counter()
     res = _run_group([sys.executable, os.path.abspath(__file__), json.dumps(spec)], JOB_TIMEOUT_S, _child_env())
     assert res.returncode == 0 and os.path.exists(spec["out"]), f"engines failed (rc={res.returncode}):\n" \
                                                                 f"{res.stderr[-4000:]}"
     with open(spec["out"]) as f:
         runs = json.load(f)
+    greedy = greedy_reference(model, prompts(), NEW_TOKENS)
     print(f"\nlive EAGLE runs ({time.perf_counter() - t0:.0f} s in all):")
     for name, r in runs.items():
         print(f"  {name}: start {r['start_s']} s, generate {r['generate_s']} s, accept length "
               f"{[r2['spec_accept_length'] for r2 in r['reqs']]}")
-    return model, runs
+    return model, greedy, runs
 
 
 @pytest.mark.live
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "plain"])
-def test_tokens_equal_the_engine_without_speculation(eagle_runs, name):
-    _, runs = eagle_runs
-    plain = [r["ids"] for r in runs["plain"]["reqs"]]
-    assert [len(ids) for ids in plain] == [NEW_TOKENS] * len(prompts())
-    assert [r["ids"] for r in runs[name]["reqs"]] == plain, name
+@pytest.mark.parametrize("name", engine_params(RUNS, DEFAULT_RUNS))
+def test_tokens_equal_greedy_decoding(eagle_runs, name):
+    _, greedy, runs = eagle_runs
+    assert [r["ids"] for r in runs[name]["reqs"]] == greedy, name
     for r in runs[name]["reqs"]:  # speculation ran: each verify step commits at least one token
         assert 0 < r["spec_verify_ct"] <= NEW_TOKENS and r["spec_accept_length"] >= 1
 
 
 @pytest.mark.live
-@pytest.mark.parametrize("name", ["self-chain", "self-tree"])
+@pytest.mark.parametrize("name", engine_params(["self-chain", "self-tree"], DEFAULT_RUNS))
 def test_self_draft_accepts_what_the_simulation_predicts(eagle_runs, name):
-    model, runs = eagle_runs
+    model, _, runs = eagle_runs
     settings = RUNS[name][2]
     for prompt, r in zip(prompts(), runs[name]["reqs"], strict=True):
         tokens, verify, accepted = simulate(model, prompt, settings["speculative_eagle_topk"],

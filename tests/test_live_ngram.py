@@ -3,12 +3,13 @@ with ``--attention-backend compiled_attn``: greedy tokens equal ``transformers.g
 
 Per model (tiny Llama; tiny Gemma 2, whose sliding-window layer verifies each draft token over its own window; tiny
 Llama with 4 query heads per KV head, whose verify has 16 query rows per KV head: the C++ kernel's wide path), one
-engine (``serve.engine``, in a subprocess as in ``test_live_engine.py``, whose helpers this reuses) generates
-greedily for three prompts (one a repeated pattern) three times: as a batch, as the same batch again (the n-gram
-corpus now holds the first round's continuations, so most drafts match), then the first prompt alone. SGLang's
-n-gram worker drafts a tree of ``DRAFTS`` tokens per request from its C++ corpus (JIT-built on first use: needs
-g++ and ninja), our backend's ``TARGET_VERIFY`` runs the target over them with the tree mask, and SGLang's greedy
-tree walk (``verify_tree_greedy_cpu``, from the ``sgl_kernel`` stand-in) accepts the matching ones.
+engine (``serve.engine``, in a subprocess as in ``test_live_engine.py``, whose helpers this reuses; the three start
+at once, ``PARALLEL`` at a time) generates greedily for three prompts (one a repeated pattern) three times: as a
+batch, as the same batch again (the n-gram corpus now holds the first round's continuations, so most drafts match),
+then the first prompt alone. SGLang's n-gram worker drafts a tree of ``DRAFTS`` tokens per request from its C++
+corpus (JIT-built on first use: needs g++ and ninja), our backend's ``TARGET_VERIFY`` runs the target over them with
+the tree mask, and SGLang's greedy tree walk (``verify_tree_greedy_cpu``, from the ``sgl_kernel`` stand-in) accepts
+the matching ones.
 
 What proves speculation happened: SGLang's per-request ``meta_info`` (``spec_verify_ct``: verify steps,
 ``spec_num_correct_drafts``: accepted drafts), and a count of our backend's ``TARGET_VERIFY`` forwards, taken in
@@ -22,16 +23,18 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
+    PARALLEL,
     _child_env,
     _run_group,
     assert_greedy,
     greedy_reference,
-    reference_model,
+    load_reference,
 )
 
 pytestmark = pytest.mark.live
@@ -99,21 +102,45 @@ def _worker(spec: dict) -> dict:
 # --- pytest side ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma2", "tiny-llama-g4"])
-def reference(request, tmp_path_factory):
-    """A tiny checkpoint (Llama; Gemma 2, whose first layer is a sliding-window one: verify over a window; Llama
-    with 4 query heads per KV head: verify's 16 query rows per KV head take the C++ kernel's wide path), its
-    transformers model and transformers' greedy continuation of each prompt: (preset, dir, model, tokens)."""
-    d, model = reference_model(request.param, tmp_path_factory)
+# Llama; Gemma 2, whose first layer is a sliding-window one: verify over a window; Llama with 4 query heads per KV
+# head: verify's 16 query rows per KV head take the C++ kernel's wide path
+PRESETS = ("tiny-llama", "tiny-gemma2", "tiny-llama-g4")
+
+
+@pytest.fixture(scope="module")
+def ngram_jobs(tmp_path_factory):
+    """Each preset's checkpoint and its engine run, all started at once, ``PARALLEL`` at a time:
+    {preset: (dir, future of :func:`_ngram_job`'s result)}."""
+    pytest.importorskip("sglang")
+    from compiled_attn.sglang.make_model import make_model
+
+    pool = ThreadPoolExecutor(max_workers=PARALLEL)
+    jobs = {}
+    for preset in PRESETS:
+        d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
+        jobs[preset] = (d, pool.submit(_ngram_job, d, tmp_path_factory.mktemp("ngram")))
+    yield jobs
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def reference(request, ngram_jobs):
+    """A tiny checkpoint, its transformers model and transformers' greedy continuation of each prompt: (preset, dir,
+    model, tokens)."""
+    d = ngram_jobs[request.param][0]
+    model = load_reference(request.param, d)
     return request.param, d, model, greedy_reference(model, prompts(), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def ngram_run(reference, tmp_path_factory):
-    """The engine run (subprocess) and its count of TARGET_VERIFY forwards."""
-    pytest.importorskip("sglang")
-    tmp = tmp_path_factory.mktemp("ngram")
-    spec = dict(model_dir=reference[1], out=str(tmp / "result.json"), verify_log=str(tmp / "verify.log"))
+def ngram_run(reference, ngram_jobs):
+    """The preset's engine run (subprocess) and its count of TARGET_VERIFY forwards."""
+    return ngram_jobs[reference[0]][1].result()
+
+
+def _ngram_job(model_dir: str, tmp) -> dict:
+    """One engine run in a subprocess (:func:`_worker`), with its TARGET_VERIFY forwards' batch sizes."""
+    spec = dict(model_dir=model_dir, out=str(tmp / "result.json"), verify_log=str(tmp / "verify.log"))
     t0 = time.perf_counter()
     res = _run_group([sys.executable, os.path.abspath(__file__), json.dumps(spec)], JOB_TIMEOUT_S, _child_env())
     wall = round(time.perf_counter() - t0, 1)

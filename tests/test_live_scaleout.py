@@ -22,12 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from test_live_engine import (
+    ALL_ENGINES,
     ENGINE_KW,
     JOB_TIMEOUT_S,
     PARALLEL,
     _child_env,
     _run_group,
     assert_greedy,
+    engine_params,
     greedy_reference,
     reference_model,
     write_live_timings,
@@ -49,17 +51,10 @@ ENGINES = {
     "llama-tp2-eager": ("tiny-llama", dict(TP2, **EAGER)),
 }
 SINGLE = 0  # the prompt run again alone
-#: the engines CI's default run starts (about 1.5 min on 2 cores together): DeepSeek's DP-attention layout (the
+#: the engines CI's default run starts (about 2 min on 2 cores together): DeepSeek's DP-attention layout (the
 #: processes the fix-ups had missed) and tensor parallel Llama; COMPILED_ATTN_LIVE_ALL=1 adds the other three (about
 #: 4 min more: two compiled engines)
 DEFAULT_ENGINES = ("deepseek-tp2-dp2-attention-eager", "llama-tp2-eager")
-ALL_ENGINES = os.environ.get("COMPILED_ATTN_LIVE_ALL", "0") not in ("", "0")
-
-
-def _engine_params() -> list:
-    extra = pytest.mark.skipif(not ALL_ENGINES, reason="COMPILED_ATTN_LIVE_ALL=1 runs this engine too (CI's default "
-                                                       "run keeps its time)")
-    return [pytest.param(name, marks=() if name in DEFAULT_ENGINES else extra) for name in ENGINES]
 
 
 def prompts() -> list[list[int]]:
@@ -150,7 +145,7 @@ def jobs(request, models, tmp_path_factory):
     write_live_timings(futures)
 
 
-@pytest.mark.parametrize("name", _engine_params())
+@pytest.mark.parametrize("name", engine_params(ENGINES, DEFAULT_ENGINES))
 def test_scaleout_matches_transformers(name, models, jobs):
     from compiled_attn.sglang import serve
 

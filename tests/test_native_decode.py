@@ -189,10 +189,13 @@ def test_off_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
 
 def test_build_is_cached_and_a_compiler_error_is_reported(tmp_path):
     """A second build of the same source finds the library in the cache folder (same path, not rebuilt); a
-    source that does not compile raises with the compiler's message."""
-    first = cpu_kernel.build(out_dir=tmp_path)
+    source that does not compile raises with the compiler's message. The cache's behaviour, not the kernel's: a
+    small source (linked with the ops' object all the same) builds in a second where the kernel takes a minute."""
+    source = tmp_path / "small.cpp"
+    source.write_text('extern "C" int small_kernel() { return 1; }\n')
+    first = cpu_kernel.build(source, out_dir=tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernel.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert cpu_kernel.build(source, out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f( {")
     with pytest.raises(RuntimeError, match="bad.cpp"):
