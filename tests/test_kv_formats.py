@@ -1,5 +1,5 @@
-"""KV caches as servers run them (decode): page sizes > 1 (page-run gathers), float8 caches with per-layer scales,
-bf16/fp16 caches read without a float32 copy. Every output is checked against the float64 reference over the
+"""KV caches as servers run them (decode): page sizes > 1 (blocks from page starts), float8 caches with per-layer
+scales, bf16/fp16 caches read without a float32 copy. Every output is checked against the float64 reference over the
 dequantised cache."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _reference(b, *, k_scale=None, v_scale=None, **kw):
 
 
 def poison_unread(b, lo, hi, page_size):
-    """NaN into every slot outside the requests' ranges ``[lo, hi)``, including the tails of their last pages
-    (read by a page-run gather, then masked)."""
+    """NaN into every slot outside the requests' ranges ``[lo, hi)``, the unwritten tails of their last pages
+    included: a NaN read there would survive the mask."""
     read = torch.zeros(b.k_cache.shape[0], dtype=torch.bool)
     for i, r in enumerate(b.rows.tolist()):
         read[b.req_to_token[r, int(lo[i]):int(hi[i])].long()] = True

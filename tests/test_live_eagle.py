@@ -32,12 +32,12 @@ import time
 
 import pytest
 from test_live_engine import (
-    ALL_ENGINES,
     ENGINE_KW,
     JOB_TIMEOUT_S,
     _child_env,
     _run_group,
     engine_params,
+    engine_selected,
     greedy_reference,
     reference_model,
 )
@@ -146,7 +146,7 @@ def eagle_runs(tmp_path_factory):
     model_dir, model = reference_model("tiny-llama", tmp_path_factory)
     tmp = tmp_path_factory.mktemp("eagle")
     spec = dict(model_dir=model_dir, eagle_dir=make_eagle(model_dir, str(tmp / "eagle")), out=str(tmp / "out.json"),
-                runs=[name for name in RUNS if ALL_ENGINES or name in DEFAULT_RUNS])
+                runs=[name for name in RUNS if engine_selected(name, DEFAULT_RUNS)])
     t0 = time.perf_counter()
     res = _run_group([sys.executable, os.path.abspath(__file__), json.dumps(spec)], JOB_TIMEOUT_S, _child_env())
     assert res.returncode == 0 and os.path.exists(spec["out"]), f"engines failed (rc={res.returncode}):\n" \

@@ -90,11 +90,17 @@ DEFAULT_ENGINES = ("deepseek-compiled_attn-compile", "llama-compiled_attn-compil
 ALL_ENGINES = os.environ.get("COMPILED_ATTN_LIVE_ALL", "0") not in ("", "0")
 
 
+def engine_selected(name: str, default) -> bool:
+    """Whether this run starts engine ``name``: those in ``default`` always, the others with
+    ``COMPILED_ATTN_LIVE_ALL=1``."""
+    return ALL_ENGINES or name in default
+
+
 def engine_params(names, default) -> list:
-    """pytest params of engine ``names``: those not in ``default`` skip unless ``COMPILED_ATTN_LIVE_ALL=1``."""
-    extra = pytest.mark.skipif(not ALL_ENGINES, reason="COMPILED_ATTN_LIVE_ALL=1 runs this engine too (CI's default "
-                                                       "run keeps its time)")
-    return [pytest.param(name, marks=() if name in default else extra) for name in names]
+    """pytest params of engine ``names``: those ``engine_selected`` leaves out are skipped."""
+    left_out = pytest.mark.skip(reason="COMPILED_ATTN_LIVE_ALL=1 runs this engine too (CI's default run keeps its "
+                                       "time)")
+    return [pytest.param(name, marks=() if engine_selected(name, default) else left_out) for name in names]
 
 
 def prompts() -> list[list[int]]:
@@ -280,7 +286,7 @@ def jobs(request, models, tmp_path_factory):
         if item.module is request.module:
             cs = getattr(item, "callspec", None)
             name = cs.params.get("name") if cs else item.originalname
-            if ALL_ENGINES or name not in ENGINES or name in DEFAULT_ENGINES:
+            if name not in ENGINES or engine_selected(name, DEFAULT_ENGINES):
                 wanted.add(name)
     pool = ThreadPoolExecutor(max_workers=PARALLEL)
     futures: dict[str, Future] = {}

@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from test_live_engine import (
-    ALL_ENGINES,
     ENGINE_KW,
     JOB_TIMEOUT_S,
     PARALLEL,
@@ -30,6 +29,7 @@ from test_live_engine import (
     _run_group,
     assert_greedy,
     engine_params,
+    engine_selected,
     greedy_reference,
     reference_model,
     write_live_timings,
@@ -134,7 +134,7 @@ def jobs(request, models, tmp_path_factory):
     pytest.importorskip("sglang")
     wanted = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")
-              and (ALL_ENGINES or item.callspec.params["name"] in DEFAULT_ENGINES)}
+              and engine_selected(item.callspec.params["name"], DEFAULT_ENGINES)}
     pool = ThreadPoolExecutor(max_workers=PARALLEL)
     futures: dict[str, Future] = {}
     for name, (preset, kwargs) in ENGINES.items():
