@@ -12,7 +12,8 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA (run through profiling/gpu_check.sh on a GPU machine)")
     if not torch.cuda.is_available():
         for item in items:
-            if "cuda" in item.keywords:
+            # the marker itself, not the keyword "cuda": a parametrisation id such as [cuda] is a keyword too
+            if item.get_closest_marker("cuda") is not None:
                 item.add_marker(skip)
 
 

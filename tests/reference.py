@@ -52,6 +52,31 @@ def reference_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, prefi
     return torch.cat(outs) if outs else torch.zeros(0, hq, dv, dtype=torch.float64)
 
 
+def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, logit_cap=None, *, k_scale=1.0,
+                     v_scale=1.0, sinks=None):
+    """float64, request by request: its k queries over positions [0, prefix + k) of its row; the prefix all
+    visible, draft key j visible to query i where masks[b, i, j]. q: [bs * k, Hq, D] -> [bs * k, Hq, Dv].
+    A float8 cache stores value / scale: K is read back times k_scale, V times v_scale."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out = []
+    for b in range(len(prefix)):
+        p = int(prefix[b])
+        slots = table[int(rows[b]), : p + k].long()
+        kk = k_cache[slots].double().repeat_interleave(hq // hkv, 1) * k_scale
+        vv = v_cache[slots].double().repeat_interleave(hq // hkv, 1) * v_scale
+        s = torch.einsum("qhd,khd->hqk", q[b * k:(b + 1) * k].double(), kk) * scale
+        if logit_cap is not None:
+            s = logit_cap * torch.tanh(s / logit_cap)
+        vis = torch.ones(k, p + k, dtype=torch.bool)
+        vis[:, p:] = masks[b]
+        s = s.masked_fill(~vis[None], float("-inf"))
+        if sinks is not None:  # one more softmax column per head, of value zero
+            s = torch.cat([s, sinks.double()[:, None, None].expand(hq, k, 1)], -1)
+        p_ = torch.softmax(s, -1).nan_to_num(0.0)
+        out.append(torch.einsum("hqk,khd->qhd", p_[..., :p + k], vv))
+    return torch.cat(out)
+
+
 def spy_calls(monkeypatch, owner, name: str) -> list:
     """``owner.name`` (a module's function) replaced through ``monkeypatch`` by a wrapper that records each call's
     positional arguments, then calls it; returns the list they are recorded in."""

@@ -185,6 +185,26 @@ def test_flash_form_spans_merge_and_per_span_gathers(kw, held_bytes, monkeypatch
         assert (out.double() - _ref(b, scale=0.25, **kw)).abs().max() < 1e-4
 
 
+def test_windowed_spans_with_fully_visible_pairs():
+    """Windowed extend in small pieces: window 20, query and key tiles of 8, spans of 8 or 16 keys (a kernel call
+    each). A (query tile, key tile) pair whose every key is inside every query's window runs unmasked, the others
+    masked. Prefix 163: query tile 163..170 sees all of key tile 152..159. Prefix 150: query tile 150..157 sees key
+    tile 136..143 but key 136, one short of its last query's window (157 - 20 = 137). q: [99, 8, 16] (GQA 8/2)."""
+    window = 20
+    b = make_batch([190, 192, 30], [150, 163, 0], hq=8, hkv=2, seed=13)
+    tiles = _tiles(b, sliding_window=window, tile_q=8, tile_k=8)
+    i = tiles.inputs
+    last_query = i.q_rel + i.q_count - 1  # the tile's last query, relative to the pair's first key
+    one_key_short = (last_query == window + 1) & (i.k_count - 1 <= i.q_rel)
+    assert i.full.any() and one_key_short.any()  # the case this test is for is in the batch
+    index = build_extend_tile_index(b.req_to_token, i, causal=True, sliding_window=window, with_mask=False)
+    ref = _ref(b, scale=0.25, sliding_window=window)
+    for span in (8, 16):
+        out = extend_tiles(b.q, b.k_cache, b.v_cache, index, 0.25, form="kernel", span_keys=span)
+        err = (out.double() - ref).abs().max().item()
+        assert err < 1e-4, f"spans of {span} keys: max abs error {err}"
+
+
 def _tiles(b, causal=True, sliding_window=None, **kw):
     meta = plan_extend(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, b.seq_lens, b.prefix_lens, b.ext_lens,
                        causal=causal, sliding_window=sliding_window)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import DECODE_FORMS
+from reference import DECODE_FORMS, reference_verify
 from torch._dynamo.utils import counters
 
 from compiled_attn.bench.batches import make_batch
@@ -22,30 +22,6 @@ from compiled_attn.verify import (
     verify_block_size,
     verify_blocks,
 )
-
-
-def reference_verify(q, k_cache, v_cache, table, rows, prefix, k, masks, scale, logit_cap=None, kv_scale=1.0,
-                     sinks=None):
-    """float64, request by request: its k queries over positions [0, prefix + k) of its row; the prefix all
-    visible, draft key j visible to query i where masks[b, i, j]. q: [bs * k, Hq, D] -> [bs * k, Hq, Dv]."""
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    out = []
-    for b in range(len(prefix)):
-        p = int(prefix[b])
-        slots = table[int(rows[b]), : p + k].long()
-        kk = k_cache[slots].double().repeat_interleave(hq // hkv, 1) * kv_scale
-        vv = v_cache[slots].double().repeat_interleave(hq // hkv, 1) * kv_scale
-        s = torch.einsum("qhd,khd->hqk", q[b * k:(b + 1) * k].double(), kk) * scale
-        if logit_cap is not None:
-            s = logit_cap * torch.tanh(s / logit_cap)
-        vis = torch.ones(k, p + k, dtype=torch.bool)
-        vis[:, p:] = masks[b]
-        s = s.masked_fill(~vis[None], float("-inf"))
-        if sinks is not None:  # one more softmax column per head, of value zero
-            s = torch.cat([s, sinks.double()[:, None, None].expand(hq, k, 1)], -1)
-        p_ = torch.softmax(s, -1).nan_to_num(0.0)
-        out.append(torch.einsum("hqk,khd->qhd", p_[..., :p + k], vv))
-    return torch.cat(out)
 
 
 def random_trees(bs, k, g):
@@ -155,8 +131,25 @@ def test_pages_and_float8(form):
     out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
                            k_scale=0.5, v_scale=0.5, **FORMS[form])
     ref = reference_verify(b.q, b.k_cache.float(), b.v_cache.float(), b.req_to_token, b.rows, prefix, k, masks,
-                           16 ** -0.5, kv_scale=0.5)
+                           16 ** -0.5, k_scale=0.5, v_scale=0.5)
     assert (out.double() - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_float8_with_distinct_k_and_v_scales(kv_dtype, form):
+    """A float8 cache holds K / k_scale and V / v_scale; verify multiplies each back by its own scale. The scales
+    differ (0.37, 2.5), so K's read with V's (or V's with K's) is far off the float64 reference.
+    q: [3 * 4, 8, 16] float32 (GQA 8/2), a tree of 4 drafts per request over prefixes 13, 100 and 0."""
+    k, k_scale, v_scale = 4, 0.37, 2.5
+    masks = random_trees(3, k, torch.Generator().manual_seed(9))
+    b, prefix = _case([13, 100, 0], k, hq=8, hkv=2, kv_dtype=kv_dtype, seed=3)
+    out = verify_attention(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks.reshape(-1),
+                           k_scale=k_scale, v_scale=v_scale, **FORMS[form])
+    ref = reference_verify(b.q, b.k_cache, b.v_cache, b.req_to_token, b.rows, prefix, k, masks, 16 ** -0.5,
+                           k_scale=k_scale, v_scale=v_scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-4, f"max abs error {err}"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
