@@ -203,3 +203,63 @@ def test_cpu_graph_runner_builds_the_index_inside_its_compiled_forward():
                                                save_kv_cache=False)
                     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert len(compiles) == 2
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False)
+def test_cpu_graph_capture_then_serving_compiles_nothing_more():
+    """SGLang's CPUGraphRunner capture, as it runs per batch size: the capture hook, one eager model forward, then
+    two compiled forwards, all on one metadata object; each later step calls ``init_forward_metadata`` (fresh
+    metadata) and the compiled forward. The "model" here is two attention layers in one compiled function. The
+    first real decode of the size must reuse the capture's graph: a forward traced with the indices that the eager
+    run left in the metadata would guard on them and compile again at every size's first request. The backend's
+    ``compiles_after_start_up`` counts what compiles while serving, and must see nothing."""
+    g = H.GEOMETRIES["gqa"]
+    mr = H.make_model_runner(g, seed=15, num_layers=2)
+    backend = CompiledAttnBackend(mr)
+    bs = 8
+    backend.init_cpu_graph_state(bs, bs)
+    layers = [H.make_layer(g, i) for i in range(2)]
+    compiles = []
+
+    def count(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    def model_forward(batch, fb):
+        outs = []
+        for layer in layers:
+            ld = batch.layers[layer.layer_id]
+            outs.append(backend.forward_decode(ld.q, ld.k.view(bs, g.num_kv_heads, g.head_dim),
+                                               ld.v.view(bs, g.num_kv_heads, g.v_head_dim), layer, fb))
+        return outs
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model_forward, dynamic=False, backend=count)
+    capture = H.make_decode_batch(mr, [1] * bs, layer_ids=(0, 1))
+    cfb = capture.forward_batch
+    with H.parallel_scope(), SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=cfb):
+        backend.init_forward_metadata_capture_cpu_graph(bs, bs, cfb.req_pool_indices, cfb.seq_lens,
+                                                        cfb.out_cache_loc, None, cfb.forward_mode, None)
+        model_forward(capture, cfb)
+        for _ in range(2):
+            compiled(capture, cfb)
+    captured = len(compiles)
+    for lens in ([7, 1, 30], [90, 4, 12, 33, 2]):
+        batch = H.make_decode_batch(mr, lens, pad_to_bs=bs, layer_ids=(0, 1))
+        fb = batch.forward_batch
+        with H.parallel_scope():
+            backend.init_forward_metadata(fb)
+            with SG.forward_context(SG.ForwardContext(attn_backend=backend), forward_batch=fb):
+                outs = compiled(batch, fb)
+            plain = CompiledAttnBackend(mr)  # eager, exact-size metadata: the reference
+            plain.init_forward_metadata(fb)
+            with SG.forward_context(SG.ForwardContext(attn_backend=plain), forward_batch=fb):
+                for layer, out in zip(layers, outs, strict=True):
+                    ld = batch.layers[layer.layer_id]
+                    ref = plain.forward_decode(ld.q, ld.k.view(bs, g.num_kv_heads, g.head_dim),
+                                               ld.v.view(bs, g.num_kv_heads, g.v_head_dim), layer, fb,
+                                               save_kv_cache=False)
+                    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    backend.init_forward_metadata(fb)  # the watch counts at the next forward's start
+    assert len(compiles) == captured, f"{len(compiles) - captured} compile(s) after the capture"
+    assert backend.compiles_after_start_up.count == 0

@@ -51,6 +51,7 @@ from ..plan import (
 )
 from .backend_util import (
     GRAPH_KV_TOKENS_ENV,
+    CompileWatch,
     GraphState,
     SwaPool,
     capturing_prefill_graph,
@@ -81,6 +82,9 @@ class _ForwardState:
 
     forward_batch: object
     static: bool  # decode metadata from the graph buffers (pure tensor code, capacity-shaped)
+    # static decode whose indices the forward's own layers build (CPUGraphRunner's compiled model): its first
+    # attention layer starts ``decode`` and ``swa_loc`` afresh (``CompiledAttnBackend._start_graph_forward``)
+    built_in_forward: bool = False
     decode: dict[DecodeKey, DecodeIndex] = field(default_factory=dict)
     extend: dict[tuple, ExtendTileIndex] = field(default_factory=dict)  # ExtendKey + (CPU flash form,)
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # static: rows, lens, enc
@@ -117,7 +121,9 @@ class CompiledAttnBackend(AttentionBackend):
         self.forward_metadata: _ForwardState | None = None
         self.decode_keys: dict[DecodeKey, None] = {(None, False): None}  # layer configurations seen (ordered set)
         self.graph: GraphState | None = None
+        self.first_layer_id: int | None = None  # the lowest layer id an eager graph forward has run (its first layer)
         self._warned_fallback = False
+        self.compiles_after_start_up = CompileWatch()
         pool = self.token_to_kv_pool
         layer0 = getattr(pool, "start_layer", 0) or 0
         try:  # MLA's latent pool: V is a view of K's first columns, so one gather serves both (host check, once)
@@ -144,6 +150,7 @@ class CompiledAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ metadata (eager)
 
     def init_forward_metadata(self, forward_batch):
+        self.compiles_after_start_up.check(forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -246,7 +253,7 @@ class CompiledAttnBackend(AttentionBackend):
             state = self.forward_metadata = _ForwardState(forward_batch, static=True)
             state.extend[VERIFY_KEY] = verify_in_graph(self, forward_batch)
             return
-        state = _ForwardState(forward_batch, static=True,
+        state = _ForwardState(forward_batch, static=True, built_in_forward=not build_index,
                               inputs=(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                       getattr(forward_batch, "encoder_lens", None)))
         self.forward_metadata = state
@@ -338,13 +345,29 @@ class CompiledAttnBackend(AttentionBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         return q3, k_cache, v_cache, bool(layer.is_cross_attention)
 
+    def _start_graph_forward(self, state: _ForwardState, layer) -> None:
+        """A static forward whose layers build the indices (``built_in_forward``): its first layer sets the
+        per-forward indices and translated slots to empty, by assignment, never reading what an earlier run left.
+        Why: SGLang's CPU capture runs the model eagerly once, then compiled twice, on one metadata object, while each
+        replay starts from fresh metadata; a compiled forward that read those dicts would be traced with them full,
+        guard on it, and compile the whole model again at each captured size's first real decode. Which layer is
+        first is learnt from the eager runs (the capture's eager forward precedes every compiled one)."""
+        if not torch.compiler.is_compiling() and (self.first_layer_id is None or layer.layer_id < self.first_layer_id):
+            self.first_layer_id = layer.layer_id
+        if layer.layer_id == self.first_layer_id:
+            state.decode = {}
+            state.swa_loc = None
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         state = self._state_for(forward_batch, decode=True)
+        if state.built_in_forward:
+            self._start_graph_forward(state, layer)
         q3, k_cache, v_cache, cross = self._prologue(q, k, v, layer, forward_batch, save_kv_cache, kwargs, state)
         key = self._layer_key(None if cross else layer_window(layer), cross, layer)
         index = state.decode.get(key)
         if index is None:
-            self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
+            if key not in self.decode_keys:
+                self.decode_keys[key] = None  # later forwards (and graph captures) build it up front
             index = state.decode[key] = (self._static_decode_index(state, key) if state.static else
                                          self._eager_decode_index(q3, k_cache, v_cache, forward_batch, key))
         k_scale, v_scale = self._layer_scales(layer)

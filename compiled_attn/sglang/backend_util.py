@@ -2,6 +2,7 @@
 host-side reading of a layer's and a batch's settings."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +95,32 @@ class GraphState:
     block_offsets: torch.Tensor  # [block_size] int64 arange
     # TARGET_VERIFY graphs' buffers per draft token count k (``speculative_graphs.VerifyGraphState``), made at capture
     verify: dict = field(default_factory=dict)
+
+
+class CompileWatch:
+    """Counts the graphs ``torch.compile`` makes in this process after start-up (from the first real batch on:
+    SGLang's graph captures run before it) and warns at the forward after each one that compiled, naming it: a
+    compile while serving is the first-request spike the captured graphs exist to remove. ``count``: the graphs
+    compiled while serving (0 when every captured size serves its first batch without a compile)."""
+
+    def __init__(self):
+        self.count = 0
+        self._at_start: int | None = None
+        self._last = ""  # the previous forward, as the warning names it
+
+    def check(self, forward_batch) -> None:
+        """Called once per forward, before it runs (host side, outside any compiled region)."""
+        from torch._dynamo.utils import counters
+
+        total = int(counters["stats"]["unique_graphs"])
+        if self._at_start is None:
+            self._at_start = total
+        elif total - self._at_start > self.count:
+            new, self.count = total - self._at_start - self.count, total - self._at_start
+            warnings.warn(f"compiled_attn: torch.compile made {new} graph(s) while serving the {self._last} "
+                          f"({self.count} since start-up): it waited for a compile", stacklevel=3)
+        mode = getattr(forward_batch.forward_mode, "name", forward_batch.forward_mode)
+        self._last = f"{mode} batch of {getattr(forward_batch, 'batch_size', '?')}"
 
 
 def capturing_prefill_graph() -> bool:
