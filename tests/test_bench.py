@@ -41,7 +41,7 @@ def _run_in_process_of_its_own(tmp_path, *argv):
 def test_json_has_every_field(tmp_path, capsys):
     # compile off keeps this fast; the bucketed replay (static buffers per bucket) still runs
     rc, out = _run(tmp_path, "--model", "tiny-llama", "--batch-size", "1", "3", "--input-len", "12",
-                   "--output-len", "5", "--cuda-graph-bs", "1", "4", "--no-enable-torch-compile")
+                   "--output-len", "5", "--cuda-graph-bs", "1", "4", "--no-enable-torch-compile", "--verbose")
     assert rc == 0
     assert set(out["backends"]) == {"loop", "eager", "compiled"}
     for name, res in out["backends"].items():
@@ -56,7 +56,7 @@ def test_json_has_every_field(tmp_path, capsys):
     assert out["backends"]["compiled"]["setup"]["buckets"] == 2
     assert out["token_agreement"]["ok"] is True
     assert out["config"]["dtype"] == "float32" and out["config"]["device"] == "cpu"
-    text = capsys.readouterr().out
+    text = capsys.readouterr().out  # --verbose: the per-step reports too (the default output: test_bench_verdicts)
     assert "Prefill. latency:" in text and "Decode 0. (first)" in text and "median latency" in text
     assert "side by side" in text and "decode_x_loop" in text
     assert "token agreement: OK" in text
@@ -119,7 +119,7 @@ def test_compiled_first_decode_within_3x_of_median_per_bucket(tmp_path):
     machine one step of the 12 alone can take twice the median (CI once saw 13.3 ms against 6.9)."""
     rc, out = _run_in_process_of_its_own(
         tmp_path, "--model", "deepseek-v2-lite", "--layers", "1", "--batch-size", "1", "4", "--input-len", "64",
-        "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4")
+        "--output-len", "13", "--backend", "compiled", "--cuda-graph-bs", "1", "4", "--repeats", "1")
     assert rc == 0
     res = out["backends"]["compiled"]
     assert res["setup"]["buckets"] == 3  # (1, 256), (4, 256), (4, 512): one request never needs 512 tokens
@@ -145,7 +145,7 @@ def test_compiled_trace_names_buckets_and_summary_matches_step_time(tmp_path):
 
     trace, out = tmp_path / "trace.json", tmp_path / "out.json"
     rc = bench.main(["--model", "tiny-llama", "--layers", "2", "--batch-size", "3", "--input-len", "6",
-                     "--output-len", "6", "--backend", "compiled", "--cuda-graph-bs", "4",
+                     "--output-len", "6", "--backend", "compiled", "--cuda-graph-bs", "4", "--repeats", "1",
                      "--no-enable-torch-compile", "--profile", "torch", "--trace", str(trace), "--json", str(out),
                      "--quiet", "--no-malloc-tuning"])
     assert rc == 0

@@ -101,7 +101,7 @@ def test_bench_interleaves_backends_and_reports_spread(tmp_path, capsys, monkeyp
     path = tmp_path / "out.json"
     rc = bench.main(["--model", "tiny-llama", "--batch-size", "1", "3", "--input-len", "12", "--output-len", "4",
                      "--cuda-graph-bs", "1", "4", "--no-enable-torch-compile", "--repeats", "3", "--contend", "1",
-                     "--json", str(path), "--quiet", "--no-malloc-tuning"])
+                     "--json", str(path), "--quiet", "--no-malloc-tuning", "--verbose"])
     assert rc == 0
     out = json.loads(path.read_text())
     names = {"loop", "eager", "compiled"}
@@ -125,16 +125,23 @@ def test_bench_interleaves_backends_and_reports_spread(tmp_path, capsys, monkeyp
     # eager vs loop, compiled vs loop, compiled vs eager; x 2 phases x 2 batch sizes
     assert len(out["comparisons"]) == 12
     for c in out["comparisons"]:
-        assert c["ratio_min"] <= c["ratio_median"] <= c["ratio_max"]
+        assert c["ratio_min"] <= c["interval_lo"] <= c["ratio_median"] <= c["interval_hi"] <= c["ratio_max"]
         assert c["rounds"] == (3 if c["phase"] == "prefill" else 9)
-        assert (c["noisy"] is None) == (noise_verdict([c["ratio_min"], c["ratio_max"]]) is None)
+        # the call follows the median's interval (verdict.judge); only a noisy call carries a reason
+        expected = ("faster" if c["interval_lo"] > 1 else "slower" if c["interval_hi"] < 1
+                    else "same" if 1 / 1.05 <= c["interval_lo"] and c["interval_hi"] <= 1.05 else "too noisy")
+        assert c["call"] == expected and (c["noisy"] is None) == (c["call"] != "too noisy")
     text = capsys.readouterr().out
-    assert "== spread over 3 repeat(s)" in text and "decode_min" in text and "x_max" in text
+    assert "== spread over 3 repeat(s)" in text and "decode_min" in text and "x_max" in text  # --verbose
     assert "median_decode_ms" in text and "decode_x_loop" in text  # the existing side-by-side columns stay
     assert "contention: 1 spinning process" in text and "token agreement: OK" in text
+    verdicts = {int(ln.split(":")[0].split()[-1]): ln for ln in text.splitlines() if ln.startswith("verdict bs ")}
+    assert sorted(verdicts) == [1, 3]
+    assert text.count("too noisy") == sum(c["call"] == "too noisy" for c in out["comparisons"])
     for c in out["comparisons"]:
-        if c["noisy"]:
-            assert f"too noisy: {c['backend']} vs {c['against']}, bs {c['bs']}, {c['phase']}" in text
+        if c["noisy"]:  # said once, with why, in its batch size's verdict line
+            phrase = f"{c['backend']} {c['ratio_median']:.2f}x {c['against']} (too noisy: {c['noisy']})"
+            assert verdicts[c["bs"]].count(phrase) == 1
 
 
 # ---- compiled-attn bench-ops --sweep-len ----

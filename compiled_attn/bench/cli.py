@@ -6,7 +6,7 @@
     compiled-attn bench-sglang ...     our SGLang backend vs SGLang's torch_native on the same ForwardBatches
     compiled-attn serve ...            SGLang's server with --attention-backend compiled_attn (CPU fix-ups applied)
     compiled-attn make-model ...       seeded random-weight HF checkpoint + word-level tokenizer (no download)
-    compiled-attn bench-engine ...     live sglang.Engine per backend and batch size: prefill / first / median decode
+    compiled-attn bench-engine ...     live sglang.Engine per backend and batch size: prefill, decode, cold request
     compiled-attn profile ...          an nsys session around ``bench`` (profiling/nsys_session.sh)
     compiled-attn soak ...             random arrivals/finishes through DecodeGraphs, checked against float64
     compiled-attn profile-summary F    time per range from a torch.profiler trace or an nsys CSV

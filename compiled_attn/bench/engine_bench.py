@@ -15,11 +15,12 @@ One warm-up batch per backend and batch size precedes the timed rounds.
 A timed batch: ``bs`` requests of ``--context`` random tokens (radix cache flushed first), submitted at once,
 greedy, ``--decode-steps`` + 1 new tokens, streamed. With ``T_k`` the time all requests have ``k`` tokens:
 prefill = ``T_1`` (from submission; all prompts prefilled and one token sampled), first decode = ``T_2 - T_1``,
-median decode = the median of ``T_{k+1} - T_k``; reported as the median over rounds. ``cold dec`` is the first
-decode of the warm-up batch: the first request of that batch size since the engine started (where a backend that
-compiles or captures on first use would show it). Tokens that reach the
-client together (on 2 cores the client is sometimes descheduled and stream chunks coalesce) share the interval
-since the previous arrival evenly. This is what a client
+median decode = the median of ``T_{k+1} - T_k``, request = ``T_{steps+1}`` (submission to the last token); reported
+as the median over rounds. ``cold req`` is the request time of the warm-up batch, the first request of that batch
+size since the engine started, and ``cold/steady`` its multiple of the median request (``engine_report.py``): a
+backend that compiles or captures on first use shows there wherever it does, in the time to first token or in any
+decode step, and a line says which. Tokens that reach the client together (on 2 cores the client is sometimes
+descheduled and stream chunks coalesce) share the interval since the previous arrival evenly. This is what a client
 sees: it includes the scheduler, sampling, detokenizer and IPC, not only the forward pass.
 
 ``compiled_attn+eagle`` (not in the default list): our backend under SGLang's EAGLE speculative decoding (chains of
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 
+from .engine_report import format_summary, summarise
 from .report import int_at_least
 
 BACKENDS = {
@@ -181,10 +183,18 @@ def _measure(eng, bs: int, context: int, steps: int, seed: int, vocab: int) -> d
         t0 = time.perf_counter()
         return await asyncio.gather(*(one(ids, t0) for ids in prompts))
 
-    per_req = eng.loop.run_until_complete(run())
-    t = _spread_bursts([max(r[k] for r in per_req) for k in range(steps + 1)])
+    return batch_timings(eng.loop.run_until_complete(run()), steps)
+
+
+def batch_timings(arrivals: list[list[float]], steps: int) -> dict:
+    """One batch's timings (s) from each request's token arrivals (``arrivals[i][k-1]``: seconds after submission
+    when request i had k tokens; ``steps`` + 1 tokens each). With ``T_k`` the time all requests had k tokens
+    (bursts spread, ``_spread_bursts``): prefill_s = T_1 (time to first token), first_decode_s = T_2 - T_1,
+    median_decode_s = the median of T_{k+1} - T_k, request_s = T_{steps+1} (what the batch's last user waited for
+    all its tokens, from submission)."""
+    t = _spread_bursts([max(r[k] for r in arrivals) for k in range(steps + 1)])
     decode = [b - a for a, b in zip(t[:-1], t[1:], strict=True)]
-    return dict(prefill_s=t[0], first_decode_s=decode[0], median_decode_s=statistics.median(decode))
+    return dict(prefill_s=t[0], first_decode_s=decode[0], median_decode_s=statistics.median(decode), request_s=t[-1])
 
 
 def _spread_bursts(t: list[float]) -> list[float]:
@@ -279,10 +289,6 @@ class _Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _ms(s: float) -> str:
-    return f"{1000 * s:9.1f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
@@ -326,18 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for eng in engines:
             eng.close()
-    print(f"{'backend':24} {'bs':>4} {'prefill ms':>10} {'1st dec ms':>10} {'med dec ms':>10} {'1st/med':>8} "
-          f"{'cold dec ms':>11} {'cold/med':>8}")
-    summary = {}
-    for bs in args.batch_size:
-        for b in args.backend:
-            runs = results["runs"][f"{b} bs={bs}"]
-            m = {k: statistics.median(x[k] for x in runs) for k in ("prefill_s", "first_decode_s", "median_decode_s")}
-            cold = results["warmup"][f"{b} bs={bs}"]["first_decode_s"]
-            summary[f"{b} bs={bs}"] = dict(m, cold_first_decode_s=cold)
-            print(f"{b:24} {bs:4d} {_ms(m['prefill_s']):>10} {_ms(m['first_decode_s']):>10} "
-                  f"{_ms(m['median_decode_s']):>10} {m['first_decode_s'] / m['median_decode_s']:8.2f} "
-                  f"{_ms(cold):>11} {cold / m['median_decode_s']:8.2f}")
+    summary = summarise(results, args.backend, args.batch_size)
+    print(format_summary(summary, args.backend, args.batch_size))
     results["summary"] = summary
     for bs in args.batch_size if "compiled_attn+eagle" in args.backend else ():
         rate = {b: 1 / summary[f"{b} bs={bs}"]["median_decode_s"] for b in args.backend}

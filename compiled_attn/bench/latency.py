@@ -2,20 +2,24 @@
 attention backend (``loop``: per-request SDPA, SGLang torch_native's algorithm; ``eager``: ours, uncompiled;
 ``compiled``: ours, torch.compile + bucketed graphs, warmed before the first request), side by side.
 
-Per batch size it prints prefill latency and throughput, every decode step's latency (the first one marked),
-the median decode latency and throughput, and the total; then one table of backend x batch size, and a
-self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not). All engines are
-built (and the compiled one warmed) first; then, per batch size, the backends are interleaved per round (every
-prefill, then decode step 1 of every backend, step 2, ...; who goes first rotates), ``--repeats R`` whole
-generations, so a noisy spell lands on every backend alike. A spread table follows: median and min..max of
-prefill and decode latency, and per comparison (each backend vs loop, compiled vs eager) the per-round ratio's
-min..max, called too noisy when it straddles 1.0 or spans more than ``NOISE_FACTOR``. ``--contend N`` runs N
-spinning processes during the rounds (``contend.py``).
+All engines are built (and the compiled one warmed) first; then, per batch size, the backends are interleaved per
+round (every prefill, then decode step 1 of every backend, step 2, ...; who goes first rotates), ``--repeats R``
+whole generations (default 3), so a noisy spell lands on every backend alike. It prints one table of backend x
+batch size (medians over the repeats; ``x_loop``: the median per-round ratio to ``loop``), one verdict line per
+batch size, and a self-check that the greedy token ids agree across backends (fp32; exit status 1 if they do not).
+
+A verdict (``verdict.py``) compares each backend with ``loop``, and ``compiled`` with ``eager``, per phase, on the
+per-round ratios of the two (a round: one repeat's prefill, or one decode step of one repeat): their median, and
+whether a distribution-free interval of that median lies above 1.0 (faster), below it (slower), within 5% of it
+(the same), or straddles 1.0 beyond that band (too noisy, with the interval). ``--verbose`` adds each backend's
+per-step report per batch size (prefill, every decode step, median, total), the spread of each latency and the
+per-round ratios behind each verdict. ``--contend N`` runs N spinning processes during the rounds
+(``contend.py``); measurements taken while other processes held > 10% of the CPUs are flagged.
 
 The default run (no flags: llama-3-8b shapes, 2 layers, vocab 4096, no MLP, batch 1 8 32, input 256, output 8,
-all three backends, one repeat) takes 1-2 minutes on a shared 2-core CPU, most of it the batch-32 prefills (the
-compiled backend's prefill warm-up, about 20 s, runs its 8192-token bucket five times); measurements taken while
-other processes held > 10% of the CPUs are flagged.
+all three backends, 3 repeats: 3 prefill and 21 decode rounds per comparison) takes 3-5 minutes on a shared
+2-core CPU: the compiled backend's warm-up (decode buckets, then its prefill buckets, the 8192-token one run three
+times) 1-2 minutes of it, each repeat 30-60 s, most of that the batch-32 prefills.
 ``--output-len`` counts generated tokens as SGLang does: the prefill yields the first, then ``output_len - 1``
 decode steps. On CPU (glibc) the bench keeps freed buffers in the heap (``tune_malloc``; ``--no-malloc-tuning``).
 
@@ -27,13 +31,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 
 import torch
 
 import profiling
 from profiling.host import CpuShare, add_malloc_flag, tune_malloc
-from profiling.timers import format_table, median, noise_verdict, round_ratios, spread
+from profiling.timers import median, spread
 
 from ..runners.decode import GraphConfig
 from .backends import BACKENDS, make_backend
@@ -50,9 +55,9 @@ from .report import (
     int_at_least,
     write_plot,
 )
+from .verdict import CONFIDENCE, SAME_WITHIN, add_round_ratios, comparisons, format_spread, format_verdicts
 
 PROG = "compiled-attn bench"
-NOISE_FACTOR = 1.5  # a comparison whose per-round ratios span more than this is too noisy to call
 
 
 def _fail(msg: str) -> SystemExit:
@@ -70,8 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=8, help="generated tokens (prefill's + decode steps)")
     p.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    p.add_argument("--repeats", type=int_at_least(1), default=1, metavar="R",
-                   help="whole generations per batch size, backends interleaved per step (default 1)")
+    p.add_argument("--repeats", type=int_at_least(1), default=3, metavar="R",
+                   help="whole generations per batch size, backends interleaved per step (default 3: the prefill "
+                        "verdicts need 3 rounds)")
     p.add_argument("--contend", type=int_at_least(0), default=0, metavar="N",
                    help="N processes spin on the CPU while timing (after the warm-ups; default 0)")
     p.add_argument("--enable-torch-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -90,7 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default="none", choices=["none", "torch"])
     p.add_argument("--trace", default=None, metavar="PATH", help="Chrome trace of the decode steps (--profile torch)")
     add_malloc_flag(p)
-    p.add_argument("--quiet", action="store_true", help="no warm-up progress bar")
+    p.add_argument("--quiet", action="store_true", help="no warm-up progress bar, no progress lines on stderr")
+    p.add_argument("--verbose", action="store_true",
+                   help="also every backend's per-step report per batch size, the latency spreads and the per-round "
+                        "ratios behind each verdict")
     args = p.parse_args(argv)
     _validate(p, args)
     return args
@@ -221,22 +230,27 @@ def _decode_one(engine: Engine, rec: dict, profiler) -> None:
 
 def run_backends(model, args, device, profiler=None) -> dict:
     """Every backend's engine first (warm-ups included); then, per batch size and under ``--contend``, the
-    interleaved rounds of ``run_rounds``; each backend's batch report is printed when its batch size ends."""
+    interleaved rounds of ``run_rounds``. When a batch size ends: each backend's batch report (``--verbose``), else
+    one progress line on stderr (unless ``--quiet``)."""
     engines, results = {}, {}
     for name in args.backend:
         engines[name], results[name] = setup_backend(name, model, args, device)
     with contend(args.contend):
         for bs in args.batch_size:
-            share = CpuShare()
+            share, t0 = CpuShare(), time.perf_counter()
             rec = run_rounds(engines, args, bs, profiler)
             other = share.others()
             for name in engines:
                 res = _summarise(bs, args, rec[name])
                 res["cpu_share_of_other_processes"] = other
                 results[name]["results"][bs] = res
-            _add_round_ratios(results, bs)
-            for name, engine in engines.items():
-                print(format_batch_report(name, engine.backend.label, results[name]["results"][bs]), flush=True)
+            add_round_ratios(results, bs)
+            if args.verbose:
+                for name, engine in engines.items():
+                    print(format_batch_report(name, engine.backend.label, results[name]["results"][bs]), flush=True)
+            elif not args.quiet:
+                print(f"{PROG}: batch size {bs} measured ({args.repeats} repeat(s), {time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
     if "compiled" in engines:
         backend = engines["compiled"].backend
         results["compiled"]["setup"]["graph_stats"] = [vars(s) for s in backend.graphs.stats]
@@ -271,66 +285,11 @@ def _summarise(bs: int, args, rec: dict) -> dict:
     }
 
 
-def _phase_ratios(ref: dict, res: dict) -> dict[str, list[float]]:
-    """Per-round latency ratios ref / res of two batch reports at one batch size: {"prefill": [R], "decode":
-    [R * steps]} (> 1: res is faster). A round is one repeat's prefill, or one decode step of one repeat."""
-    def flat(r):
-        return [t for rep in r["decode_latencies_by_repeat_s"] for t in rep]
-    return {"prefill": round_ratios(ref["prefill_latencies_s"], res["prefill_latencies_s"]),
-            "decode": round_ratios(flat(ref), flat(res))}
-
-
-def _add_round_ratios(results: dict, bs: int) -> None:
-    """``{prefill,decode}_x_loop_{min,median,max}``: the per-round ratio loop / backend, on every backend's
-    result at ``bs``."""
-    if "loop" not in results:
-        return
-    ref = results["loop"]["results"][bs]
-    for res in results.values():
-        r = res["results"][bs]
-        for phase, ratios in _phase_ratios(ref, r).items():
-            lo, med, hi = spread(ratios)
-            r.update({f"{phase}_x_loop_min": lo, f"{phase}_x_loop_median": med, f"{phase}_x_loop_max": hi})
-
-
-def comparisons(results: dict, batch_sizes: list[int]) -> list[dict]:
-    """Every backend against ``loop``, and ``compiled`` against ``eager`` (does compiling pay for itself?), per
-    batch size and phase: the per-round ratio's min/median/max and ``noise_verdict``'s reason (None: clear)."""
-    pairs = [(name, "loop") for name in results if name != "loop" and "loop" in results]
-    if "compiled" in results and "eager" in results:
-        pairs.append(("compiled", "eager"))
-    out = []
-    for bs in batch_sizes:
-        for name, ref in pairs:
-            ratios = _phase_ratios(results[ref]["results"][bs], results[name]["results"][bs])
-            for phase, rs in ratios.items():
-                lo, med, hi = spread(rs)
-                out.append({"bs": bs, "backend": name, "against": ref, "phase": phase, "rounds": len(rs),
-                            "ratio_min": lo, "ratio_median": med, "ratio_max": hi,
-                            "noisy": noise_verdict(rs, factor=NOISE_FACTOR)})
-    return out
-
-
-def format_spread(results: dict, batch_sizes: list[int], comps: list[dict]) -> str:
-    """Per backend and batch size: median and min..max of prefill and decode latency (ms); then the per-round
-    ratios of each comparison, and one line for each comparison too noisy to call."""
-    rows = [{"backend": name, "bs": bs, "prefill_ms": r["prefill_latency_s"] * 1e3,
-             "prefill_min": r["prefill_min_s"] * 1e3, "prefill_max": r["prefill_max_s"] * 1e3,
-             "decode_ms": r["median_decode_s"] * 1e3, "decode_min": r["decode_min_s"] * 1e3,
-             "decode_max": r["decode_max_s"] * 1e3}
-            for bs in batch_sizes for name, res in results.items() if (r := res["results"].get(bs))]
-    repeats = next(iter(results.values()))["results"][batch_sizes[0]]["repeats"]
-    text = [f"\n== spread over {repeats} repeat(s), backends interleaved per round (ms; decode: every step of "
-            f"every repeat)", format_table(rows, list(rows[0]))]
-    if comps:
-        crows = [{"bs": c["bs"], "compare": f"{c['backend']}/{c['against']}", "phase": c["phase"],
-                  "rounds": c["rounds"], "x_median": c["ratio_median"], "x_min": c["ratio_min"],
-                  "x_max": c["ratio_max"], "call": "too noisy" if c["noisy"] else "clear"} for c in comps]
-        text += [f"\nper-round ratio (the other's latency / this one's; > 1: faster); too noisy when it "
-                 f"straddles 1.0 or spans > {NOISE_FACTOR:.2f}x", format_table(crows, list(crows[0]))]
-        text += [f"too noisy: {c['backend']} vs {c['against']}, bs {c['bs']}, {c['phase']}: {c['noisy']}"
-                 for c in comps if c["noisy"]]
-    return "\n".join(text)
+def _busy_by_batch(results: dict, batch_sizes: list[int]) -> dict[int, float]:
+    """Per batch size, the share of the CPUs other processes used while its rounds ran (one measurement covers
+    every backend: they ran interleaved)."""
+    first = next(iter(results.values()))["results"]
+    return {bs: share for bs in batch_sizes if (share := first[bs].get("cpu_share_of_other_processes")) is not None}
 
 
 def _repeat_check(results: dict, check: dict) -> dict:
@@ -372,9 +331,11 @@ def _run(args) -> int:
         profiler.stop()
         profiler.export_chrome_trace(args.trace)
         print(f"torch.profiler trace of the decode steps: {args.trace}")
-    print(format_side_by_side(results, args.batch_size))
     comps = comparisons(results, args.batch_size)
-    print(format_spread(results, args.batch_size, comps))
+    if args.verbose:
+        print(format_spread(results, args.batch_size, comps))
+    print(format_side_by_side(results, args.batch_size))
+    print(format_verdicts(comps, args.batch_size, _busy_by_batch(results, args.batch_size)))
     print(describe(args.contend))
     check = _repeat_check(results, agreement(results, args.batch_size))
     strict = dtype == torch.float32
@@ -386,7 +347,8 @@ def _run(args) -> int:
                          "model_config": vars(cfg).copy(), "threads": torch.get_num_threads(),
                          "torch": torch.__version__},
               "backends": results, "token_agreement": check, "comparisons": comps,
-              "noise_factor": NOISE_FACTOR, "contention": describe(args.contend), "wall_s": wall}
+              "verdict_rule": {"confidence": CONFIDENCE, "same_within": SAME_WITHIN},
+              "contention": describe(args.contend), "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -41,7 +41,9 @@ def format_batch_report(backend: str, label: str, r: dict) -> str:
 
 
 def side_by_side_rows(results: dict, batch_sizes: list[int]) -> list[dict]:
-    """Rows of backend x batch size: median/first decode, prefill (ms), and speed-ups over ``loop``."""
+    """Rows of backend x batch size: median/first decode, prefill (ms), and speed-ups over ``loop``: the median of
+    the per-round ratios ``loop / backend`` where the rounds were interleaved (``verdict.add_round_ratios``; what the
+    verdicts are called on), else the ratio of the medians."""
     loop = results.get("loop", {}).get("results", {})
     rows = []
     for bs in batch_sizes:
@@ -56,11 +58,18 @@ def side_by_side_rows(results: dict, batch_sizes: list[int]) -> list[dict]:
                 "first_decode_ms": r["first_decode_s"] * 1e3,
                 "first/median": r["first_over_median"],
                 "prefill_ms": r["prefill_latency_s"] * 1e3,
-                "decode_x_loop": ref["median_decode_s"] / r["median_decode_s"] if ref else None,
-                "prefill_x_loop": ref["prefill_latency_s"] / r["prefill_latency_s"] if ref else None,
+                "decode_x_loop": _x_loop(r, ref, "decode", "median_decode_s"),
+                "prefill_x_loop": _x_loop(r, ref, "prefill", "prefill_latency_s"),
                 "busy": _busy_mark(r, ref),
             })
     return rows
+
+
+def _x_loop(r: dict, ref: dict | None, phase: str, latency: str) -> float | None:
+    """loop's latency / this backend's in ``phase``: the per-round median when measured, else of the medians."""
+    if not ref:
+        return None
+    return r.get(f"{phase}_x_loop_median", ref[latency] / r[latency])
 
 
 def _busy_mark(r: dict, ref: dict | None) -> str:
@@ -70,17 +79,22 @@ def _busy_mark(r: dict, ref: dict | None) -> str:
 
 
 def format_side_by_side(results: dict, batch_sizes: list[int]) -> str:
+    """The bench's one table: a title with the backends' labels and the repeats, the rows of ``side_by_side_rows``
+    and a note on the columns."""
     rows = side_by_side_rows(results, batch_sizes)
     cols = ["backend", "bs", "median_decode_ms", "first_decode_ms", "first/median", "prefill_ms", "decode_x_loop",
             "prefill_x_loop"]
     if any(r["busy"] for r in rows):
         cols.append("busy")
     labels = "; ".join(f"{n} = {r['label']}" for n, r in results.items())
-    note = "x_loop: loop's latency / this backend's (> 1 is faster than loop)"
+    repeats = next(iter(results.values()))["results"][batch_sizes[0]].get("repeats", 1)
+    note = ("x_loop: loop's latency / this backend's, the median over the interleaved rounds (> 1 is faster than "
+            "loop); first_decode: the first step after each prefill")
     if any(r["busy"] for r in rows):
         note += (f"; busy *: other processes used > {100 * BUSY_WARNING:.0f}% of the CPUs during that measurement "
                  f"(or its loop reference)")
-    return f"\n== side by side ({labels})\n{format_table(rows, cols)}\n{note}"
+    return (f"\n== side by side, medians of {repeats} repeat(s), backends interleaved per round ({labels})\n"
+            f"{format_table(rows, cols)}\n{note}")
 
 
 def agreement(results: dict, batch_sizes: list[int]) -> dict:
