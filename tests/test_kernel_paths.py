@@ -290,3 +290,13 @@ def test_explain_logs_each_choice_once(monkeypatch, caplog):
         assert len(compiled) == 1, compiled
         assert compiled[0].startswith("compiled_attn: decode_blocks (compiled, cpu) q float32, kv float32 (sizes "
                                       "traced) -> form "), compiled
+
+
+def test_three_rows_per_kv_head_stay_on_the_kernel(build_with):
+    """SmolLM2-135M's heads (9 query / 3 KV heads of 64: 3 rows per KV head, no multiple of 4) are served by the
+    kernel's vector path at every level, over float32 and bf16 caches, not by the matmul form."""
+    for bits in (AMX_BITS, LEVEL_BITS["avx512_bf16"], LEVEL_BITS["avx2"]):
+        build_with(bits)
+        for dtype in (torch.float32, torch.bfloat16):
+            c = choose_form("decode", *_call(9, 3, 64, dtype=dtype), rows_per_kv_head=3)
+            assert (c.form, c.path) == ("kernel", "vector"), (bits, dtype, c)
