@@ -31,6 +31,7 @@ import sys
 import time
 
 import pytest
+from live_models import greedy_reference, reference_model
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
@@ -38,8 +39,6 @@ from test_live_engine import (
     _run_group,
     engine_params,
     engine_selected,
-    greedy_reference,
-    reference_model,
 )
 
 NEW_TOKENS = 16
@@ -139,7 +138,8 @@ def simulate(model, prompt: list[int], topk: int, steps: int, num_draft: int, ne
 
 @pytest.fixture(scope="module")
 def eagle_runs(tmp_path_factory):
-    """The tiny Llama's transformers model, its greedy tokens, and the subprocess's results (its EAGLE head made)."""
+    """The tiny Llama's transformers model, its greedy tokens (``live_models``: made once per session), and the
+    subprocess's results (its EAGLE head made)."""
     pytest.importorskip("sglang")
     from compiled_attn.sglang.make_eagle import make_eagle
 

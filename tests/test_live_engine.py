@@ -1,13 +1,13 @@
 """A live SGLang engine on CPU with ``--attention-backend compiled_attn``, against ``transformers.generate``.
 
 Three tiny random-weight checkpoints (``make_model``: Llama with GQA, DeepSeek-V2 with MLA + MoE, Gemma 2 with a
-16-token sliding-window layer and soft-capped logits) are written to a temp dir once per module, and their greedy
-continuations computed with ``transformers``. Each engine configuration then runs in its own subprocess (this file
-run as a script, ``_worker``): ``serve.engine`` (a ``sglang.Engine`` with the CPU fix-ups in every process)
-generates greedily for 5 prompts at once (different lengths, two sharing a 24-token prefix, one longer than
-``chunked_prefill_size``), then two of them alone (one reuses the radix-cached prefix; with ``enable_torch_compile``
-these bs=1 decodes run the compiled graph, as ``cuda_graph_bs_decode=[1]``), and the token ids are compared with
-transformers'.
+16-token sliding-window layer and soft-capped logits) and their greedy continuations in ``transformers`` come from
+``live_models`` (written and computed once per pytest session, shared by the live test files). Each engine
+configuration then runs in its own subprocess (this file run as a script, ``_worker``): ``serve.engine`` (a
+``sglang.Engine`` with the CPU fix-ups in every process) generates greedily for 5 prompts at once (different lengths,
+two sharing a 24-token prefix, one longer than ``chunked_prefill_size``), then two of them alone (one reuses the
+radix-cached prefix; with ``enable_torch_compile`` these bs=1 decodes run the compiled graph, as
+``cuda_graph_bs_decode=[1]``), and the token ids are compared with transformers'.
 
 Why subprocesses: SGLang's scheduler answers a fatal error with SIGQUIT to its parent, whose handler kills its
 whole process tree, so an in-process engine that crashes would take pytest with it; and a live engine needs
@@ -34,6 +34,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from live_models import tiny_model
 
 pytestmark = pytest.mark.live
 
@@ -84,9 +85,9 @@ SINGLES = (3, 0)  # prompts run again alone after the batch (3 reuses the cached
 #: these too: a compiled engine runs its batches of 5 and its prefills eagerly (its graph is captured at batch size
 #: 1 only), the page-16 engine and the HTTP server run the eager batch of one (Llama; DeepSeek's in
 #: test_live_scaleout's DP-attention engine, gpt-oss's window pool in test_live_swa), and torch_native is SGLang's
-#: own backend, a check of this harness rather than of ours.
-DEFAULT_ENGINES = ("deepseek-compiled_attn-compile", "llama-compiled_attn-compile", "gemma2-compiled_attn-compile",
-                   "llama-compiled_attn-page16")
+#: own backend, a check of this harness rather than of ours. The compiled Llama runs in test_live_compile (several
+#: captured sizes, pages of 1 and 16) and test_live_smollm2 (a real Llama, eager and compiled).
+DEFAULT_ENGINES = ("deepseek-compiled_attn-compile", "gemma2-compiled_attn-compile", "llama-compiled_attn-page16")
 ALL_ENGINES = os.environ.get("COMPILED_ATTN_LIVE_ALL", "0") not in ("", "0")
 
 
@@ -235,46 +236,12 @@ def _http_job(model_dir: str, tmp: str) -> dict:
     return res
 
 
-def reference_model(preset: str, tmp_path_factory):
-    """``preset`` written to a temp dir and loaded in transformers: (dir, model)."""
-    from compiled_attn.sglang.make_model import make_model
-
-    d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
-    return d, load_reference(preset, d)
-
-
-def load_reference(preset: str, model_dir: str):
-    """The checkpoint of ``preset`` in ``model_dir`` as a transformers model. Gemma 2 runs transformers' eager
-    attention (its SDPA path has no logit soft-capping)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kw = dict(attn_implementation="eager") if preset == "tiny-gemma2" else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The tiny checkpoints, their transformers models and greedy references: {preset: (dir, model, tokens)}."""
-    out = {}
-    for preset in ("tiny-llama", "tiny-deepseek-v2", "tiny-gemma2"):
-        d, model = reference_model(preset, tmp_path_factory)
-        out[preset] = (d, model, greedy_reference(model, prompts(), NEW_TOKENS))
-    return out
-
-
-def greedy_reference(model, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (exactly ``new_tokens`` tokens, EOS ignored)."""
-    import torch
-
-    ref = []
-    with torch.no_grad():
-        for ids in token_prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=3)
-            ref.append(y[0, len(ids):].tolist())
-    return ref
+    """The tiny checkpoints, their transformers models and greedy references (``live_models``, shared by the live
+    files): {preset: (dir, model, tokens)}."""
+    return {preset: tiny_model(preset, tmp_path_factory, prompts(), NEW_TOKENS)
+            for preset in ("tiny-llama", "tiny-deepseek-v2", "tiny-gemma2")}
 
 
 @pytest.fixture(scope="module")

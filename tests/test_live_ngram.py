@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from live_models import checkpoint, tiny_model
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
@@ -33,8 +34,6 @@ from test_live_engine import (
     _child_env,
     _run_group,
     assert_greedy,
-    greedy_reference,
-    load_reference,
 )
 
 pytestmark = pytest.mark.live
@@ -109,27 +108,23 @@ PRESETS = ("tiny-llama", "tiny-gemma2", "tiny-llama-g4")
 
 @pytest.fixture(scope="module")
 def ngram_jobs(tmp_path_factory):
-    """Each preset's checkpoint and its engine run, all started at once, ``PARALLEL`` at a time:
-    {preset: (dir, future of :func:`_ngram_job`'s result)}."""
+    """Each preset's checkpoint (``live_models``: written once per session) and its engine run, all started at
+    once, ``PARALLEL`` at a time: {preset: (dir, future of :func:`_ngram_job`'s result)}."""
     pytest.importorskip("sglang")
-    from compiled_attn.sglang.make_model import make_model
-
     pool = ThreadPoolExecutor(max_workers=PARALLEL)
     jobs = {}
     for preset in PRESETS:
-        d = make_model(preset, str(tmp_path_factory.mktemp(preset)))
+        d = checkpoint(preset, tmp_path_factory)
         jobs[preset] = (d, pool.submit(_ngram_job, d, tmp_path_factory.mktemp("ngram")))
     yield jobs
     pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module", params=PRESETS)
-def reference(request, ngram_jobs):
-    """A tiny checkpoint, its transformers model and transformers' greedy continuation of each prompt: (preset, dir,
-    model, tokens)."""
-    d = ngram_jobs[request.param][0]
-    model = load_reference(request.param, d)
-    return request.param, d, model, greedy_reference(model, prompts(), NEW_TOKENS)
+def reference(request, ngram_jobs, tmp_path_factory):
+    """A tiny checkpoint, its transformers model and transformers' greedy continuation of each prompt (``live_models``:
+    made once per session): (preset, dir, model, tokens)."""
+    return (request.param, *tiny_model(request.param, tmp_path_factory, prompts(), NEW_TOKENS))
 
 
 @pytest.fixture(scope="module")

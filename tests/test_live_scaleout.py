@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from live_models import tiny_model
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
@@ -30,8 +31,6 @@ from test_live_engine import (
     assert_greedy,
     engine_params,
     engine_selected,
-    greedy_reference,
-    reference_model,
     write_live_timings,
 )
 
@@ -120,12 +119,9 @@ def _engine_job(model_dir: str, kwargs: dict, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{preset: (dir, transformers model, greedy tokens per prompt)}."""
-    out = {}
-    for preset in ("tiny-llama", "tiny-deepseek-v2"):
-        d, model = reference_model(preset, tmp_path_factory)
-        out[preset] = (d, model, greedy_reference(model, prompts(), NEW_TOKENS))
-    return out
+    """{preset: (dir, transformers model, greedy tokens per prompt)} (``live_models``: made once per session)."""
+    return {preset: tiny_model(preset, tmp_path_factory, prompts(), NEW_TOKENS)
+            for preset in ("tiny-llama", "tiny-deepseek-v2")}
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import sys
 import time
 
 import pytest
+from live_models import tiny_model
 from test_live_engine import (
     ENGINE_KW,
     JOB_TIMEOUT_S,
@@ -35,7 +36,6 @@ from test_live_engine import (
     _greedy_within_ties,
     _run_group,
     generate_then_shut_down,
-    greedy_reference,
     prompts,
 )
 
@@ -119,15 +119,9 @@ def _worker(spec: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The checkpoint, its transformers model (eager attention: sinks and the window) and its greedy tokens."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from compiled_attn.sglang.make_model import make_model
-
-    d = make_model(PRESET, str(tmp_path_factory.mktemp(PRESET)))
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    return d, model, greedy_reference(model, prompts(), NEW_TOKENS)
+    """The checkpoint, its transformers model (eager attention: sinks and the window) and its greedy tokens
+    (``live_models``: made once per session)."""
+    return tiny_model(PRESET, tmp_path_factory, prompts(), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ import os
 import sys
 
 from .cpu_compile import compile_decode_once
+from .cpu_float8 import admit_float8_caches
 from .kernel_stand_in import _stand_in_installed, _StandInFinder, install_sgl_kernel_stand_in  # noqa: F401
 
 # The last SGLang release checked; a fix-up applies to versions up to the one it names (raise it after checking).
@@ -337,6 +338,7 @@ FIXUPS = (
     ("launcher_targets", wrap_launcher_targets, SGLANG_0_5_23, True),
     ("eagle_draft_backends", eagle_draft_backends, SGLANG_0_5_23, True),
     ("compile_decode_once", compile_decode_once, SGLANG_0_5_23, True),
+    ("admit_float8_caches", admit_float8_caches, SGLANG_0_5_23, True),
 )
 _version: tuple | None = None  # SGLang's version where the fix-ups are considered (CPU-only), else ()
 
