@@ -27,6 +27,7 @@ SOURCE = Path(__file__).parent / "csrc" / "block_partials.cpp"
 #: the ops' translation unit (``csrc/torch_op.cpp``), built once and linked into every level's build
 OP_SOURCE = SOURCE.parent / "torch_op.cpp"
 CACHE_ENV = "COMPILED_ATTN_CACHE_DIR"
+__all__ = ["CACHE_ENV", "OP_SOURCE", "SOURCE", "KernelLibrary", "build", "cache_dir", "load", "op_source"]
 #: the namespaces whose ops a loaded library registered (an identical build loaded from another folder reuses them)
 _REGISTERED: dict[str, types.SimpleNamespace] = {}
 
