@@ -12,6 +12,7 @@ from .. import choose_extend_form, extend_tiles, tile_index
 from ..decode import SlotMap, translate_slots
 from ..plan import cdiv, decode_kv_bounds, gather_unit, normalize_window, plan_extend, total_blocks_needed
 from ..validate import check_slots
+from .cpu_compile import graphs_compiled
 
 #: the environment variable that bounds the KV tokens a captured graph computes over (``backend.py``'s docstring)
 GRAPH_KV_TOKENS_ENV = "COMPILED_ATTN_GRAPH_KV_TOKENS"
@@ -110,9 +111,7 @@ class CompileWatch:
 
     def check(self, forward_batch) -> None:
         """Called once per forward, before it runs (host side, outside any compiled region)."""
-        from torch._dynamo.utils import counters
-
-        total = int(counters["stats"]["unique_graphs"])
+        total = graphs_compiled()
         if self._at_start is None:
             self._at_start = total
         elif total - self._at_start > self.count:
