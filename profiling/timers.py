@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["time_fn", "time_interleaved", "balanced_orders", "median", "spread", "round_ratios", "noise_verdict",
+__all__ = ["time_fn", "time_interleaved", "balanced_orders", "median", "spread", "round_ratios",
            "format_table", "LatencyTable", "range_overhead_ns"]
 
 _UNIT_SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
@@ -118,22 +118,6 @@ def round_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     if len(num) != len(den) or not num:
         raise ValueError(f"round_ratios needs two equal, non-empty sequences, got {len(num)} and {len(den)}")
     return [a / b for a, b in zip(num, den, strict=True)]
-
-
-def noise_verdict(ratios: Sequence[float], *, factor: float = 1.5) -> str | None:
-    """Why a comparison's per-round ``ratios`` cannot say which candidate is faster, or None when they can.
-
-    Too noisy when the ratios straddle 1.0 (some rounds say faster, some slower) or when max/min exceeds
-    ``factor`` (the rounds disagree by more than the effect could be). One ratio has no spread to judge.
-    """
-    if len(ratios) < 2:
-        return "1 round only: no spread to judge (more repeats needed)"
-    lo, hi = min(ratios), max(ratios)
-    if lo < 1.0 < hi:
-        return f"per-round ratio {lo:.2f}..{hi:.2f} straddles 1.0"
-    if hi / lo > factor:
-        return f"per-round ratio {lo:.2f}..{hi:.2f} spans {hi / lo:.2f}x (> {factor:.2f}x)"
-    return None
 
 
 def _cell(value: Any, precision: int) -> str:
