@@ -3,7 +3,7 @@ per pytest session (this module's caches live as long as the pytest process).
 
 ``checkpoint(preset, tmp_path_factory)`` writes ``make_model``'s ``preset`` (seed 0) under the session's temp dir
 the first time it is asked for; ``reference_model`` loads it in transformers once per (preset, dtype);
-``greedy_reference(model, prompts, n)`` runs transformers' greedy decoding once per model and prompt, keeping the
+``greedy_reference(model, prompts, n)`` runs transformers' argmax decoding once per model and prompt, keeping the
 longest continuation asked for (greedy decoding's first ``n`` tokens do not depend on how many follow, so a shorter
 request is a prefix of it). ``tiny_model`` is the three together. Callers must not modify what they get back.
 
@@ -49,8 +49,10 @@ def reference_model(preset: str, tmp_path_factory, dtype: str = "float32"):
 
 
 def greedy_reference(model, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (exactly ``new_tokens`` tokens, EOS ignored), each computed
-    once per model and prompt (for the most tokens asked so far)."""
+    """transformers' argmax continuation of each prompt, exactly ``new_tokens`` tokens, through an end-of-sequence
+    token and past it as the engines run with ``ignore_eos`` (``generate``'s ``min_new_tokens`` would mask that
+    token instead; a trained model reaches it), each computed once per model and prompt (for the most tokens asked
+    so far)."""
     import torch
 
     done = _GREEDY.setdefault(model, {})
@@ -58,11 +60,14 @@ def greedy_reference(model, token_prompts: list[list[int]], new_tokens: int) -> 
     for ids in token_prompts:
         key = tuple(ids)
         if len(done.get(key, ())) < new_tokens:
+            x, past, tokens = torch.tensor([ids]), None, []
             with torch.no_grad():
-                x = torch.tensor([ids])
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=3)
-            done[key] = y[0, len(ids):].tolist()
+                for _ in range(new_tokens):
+                    step = model(x, past_key_values=past, use_cache=True)
+                    past, nxt = step.past_key_values, int(step.logits[0, -1].argmax())
+                    tokens.append(nxt)
+                    x = torch.tensor([[nxt]])
+            done[key] = tokens
         out.append(done[key][:new_tokens])
     return out
 

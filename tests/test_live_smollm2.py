@@ -12,6 +12,7 @@ take no longer for a size's first batch than 1.5x its repeat (``test_live_compil
 from __future__ import annotations
 
 import pytest
+from live_models import greedy_reference
 from test_live_compile import (
     PARALLEL,
     ROUND,
@@ -64,22 +65,6 @@ def chat_rounds(tokenizer) -> list[list[list[int]]]:
     return out
 
 
-def greedy_past_eos(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' argmax continuation of ``prompt``, ``new_tokens`` long, through the end-of-turn token and past
-    it, as the engines run with ``ignore_eos`` (``generate``'s ``min_new_tokens`` would mask that token instead,
-    and this model does reach it within 16 tokens)."""
-    import torch
-
-    ids, past, out = torch.tensor([prompt]), None, []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            step = model(ids, past_key_values=past, use_cache=True)
-            past, nxt = step.past_key_values, int(step.logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.tensor([[nxt]])
-    return out
-
-
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """The converted checkpoint, its transformers model, the prompts and transformers' greedy tokens for them."""
@@ -95,7 +80,7 @@ def smollm2(tmp_path_factory):
         pytest.skip(str(e))
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     batch_rounds = chat_rounds(AutoTokenizer.from_pretrained(d))
-    expected = [[greedy_past_eos(model, p, NEW_TOKENS) for p in batch] for r in batch_rounds for batch in r]
+    expected = [greedy_reference(model, batch, NEW_TOKENS) for r in batch_rounds for batch in r]
     return d, model, batch_rounds, expected
 
 
